@@ -1,0 +1,40 @@
+"""The placement core: pure rules for which rank writes which KV block under which key (PLACEMENT.md).
+
+No I/O here: ints, bytes and tuples in, frozen values out.
+"""
+
+from kvsidecar.placement.chunks import Chunk, SavePlan, check_hit, load_plan, save_plan, saved_boundaries
+from kvsidecar.placement.errors import InvalidLayout, InvalidRequest, PlacementError
+from kvsidecar.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
+from kvsidecar.placement.keys import block_key, namespace_prefix
+from kvsidecar.placement.layout import GroupSpec, Kind, Layout, Parallel, parse_group, parse_groups
+from kvsidecar.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
+
+__all__ = [
+    "Chunk",
+    "Geometry",
+    "GroupGeometry",
+    "GroupSpec",
+    "Hit",
+    "InvalidLayout",
+    "InvalidRequest",
+    "Kind",
+    "Layout",
+    "LookupPlan",
+    "Parallel",
+    "PlacementError",
+    "SavePlan",
+    "block_key",
+    "check_hit",
+    "compute_hit",
+    "load_plan",
+    "lookup_plan",
+    "namespace_prefix",
+    "parse_group",
+    "parse_groups",
+    "replication_factor",
+    "save_plan",
+    "saved_boundaries",
+    "span",
+    "writes_chunk",
+]

@@ -1,0 +1,151 @@
+"""Save and load plans (rules 4, 5, 8, 10): which values a rank writes or reads, under which keys."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvsidecar.placement.errors import InvalidRequest
+from kvsidecar.placement.geometry import Geometry, GroupGeometry, writes_chunk
+from kvsidecar.placement.keys import block_key
+
+
+class Chunk(NamedTuple):
+    """One value moved between a physical block and the store."""
+
+    group: int
+    span_index: int  # absolute block index in the group: the block covering its span_index-th span
+    boundary: int  # token boundary the value is stored under; its key uses hash boundary // U - 1
+    block_id: int
+    key: str
+
+
+class SavePlan(NamedTuple):
+    """What one rank writes for one save request."""
+
+    chunks: tuple[Chunk, ...]
+    others: int  # chunks of this save that another rank of the replication set writes
+
+
+def saved_boundaries(geo: Geometry, group: GroupGeometry, num_tokens: int) -> list[tuple[int, int]]:
+    """(block index, boundary) of every value a save of num_tokens tokens stores for a group, on any rank."""
+    s, u = group.span, geo.layout.hash_block_size
+    out = [(k, (k + 1) * s) for k in range(num_tokens // s)]
+    last = num_tokens - num_tokens % u
+    # The partial last block: recurrent state at the last U boundary always; attention tokens only when hits
+    # may end mid-block. (Without fine-grained hits a recurrent span equals U, so `last` is then a block end.)
+    if last % s and (group.spec.recurrent or geo.fine_grained):
+        out.append((last // s, last))
+    return out
+
+
+def save_plan(
+    geo: Geometry,
+    block_hashes: Sequence[bytes],
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    saved_tokens: int = 0,
+) -> SavePlan:
+    """The chunks this rank writes: striped in each replication set, skipping boundaries <= saved_tokens."""
+    u = geo.layout.hash_block_size
+    _check_groups(geo, block_ids)
+    if not 0 <= saved_tokens <= num_tokens:
+        raise InvalidRequest(f"saved_tokens {saved_tokens} must be in [0, num_tokens={num_tokens}]")
+    if len(block_hashes) < num_tokens // u:
+        raise InvalidRequest(
+            f"{num_tokens} tokens need {num_tokens // u} block hashes (one per {u} tokens), "
+            f"got {len(block_hashes)}"
+        )
+    rank = geo.layout.parallel.tp_rank
+    chunks: list[Chunk] = []
+    others = 0
+    for group in geo.groups:
+        ids = block_ids[group.index]
+        for index, boundary in saved_boundaries(geo, group, num_tokens):
+            if boundary <= saved_tokens:
+                continue
+            if not writes_chunk(rank, group.index, index, group.factor):
+                others += 1
+                continue
+            _check_index(group, ids, index)
+            key = block_key(group.prefix, block_hashes[boundary // u - 1])
+            chunks.append(Chunk(group.index, index, boundary, ids[index], key))
+    return SavePlan(tuple(chunks), others)
+
+
+def load_plan(
+    geo: Geometry,
+    block_hashes: Sequence[bytes],
+    block_ids: Sequence[Sequence[int]],
+    hit_tokens: int,
+    tails: Sequence[int],
+    start_tokens: int = 0,
+) -> tuple[Chunk, ...]:
+    """The chunks this rank reads to serve hit_tokens, every one from its own namespace (never striped).
+
+    Blocks that end at or before start_tokens are already in the engine and are not read. The block that
+    contains the hit end is read under its tail boundary, exactly as the lookup reported it.
+    """
+    u = geo.layout.hash_block_size
+    _check_groups(geo, block_ids)
+    check_hit(geo, len(block_hashes), hit_tokens, tails)
+    if not 0 <= start_tokens <= hit_tokens:
+        raise InvalidRequest(f"start_tokens {start_tokens} must be in [0, hit_tokens={hit_tokens}]")
+    if hit_tokens == start_tokens:
+        return ()
+    chunks: list[Chunk] = []
+    for group, tail in zip(geo.groups, tails, strict=True):
+        ids = block_ids[group.index]
+        s = group.span
+        last = (hit_tokens - 1) // s
+        window = group.spec.attention_window
+        if not group.spec.attention:
+            first = last  # recurrent state: only the value at the hit end
+        else:
+            first = 0 if window is None else max(0, (hit_tokens - window) // s)
+        first = max(first, start_tokens // s)
+        for index in range(first, last + 1):
+            _check_index(group, ids, index)
+            boundary = (index + 1) * s if index < last else tail
+            key = block_key(group.prefix, block_hashes[boundary // u - 1])
+            chunks.append(Chunk(group.index, index, boundary, ids[index], key))
+    return tuple(chunks)
+
+
+def check_hit(geo: Geometry, num_hashes: int, hit_tokens: int, tails: Sequence[int]) -> None:
+    """Reject a hit length or tail boundary that no lookup could have produced (rules 8-10)."""
+    u = geo.layout.hash_block_size
+    if len(tails) != len(geo.groups):
+        raise InvalidRequest(f"expected {len(geo.groups)} tail boundaries (one per group), got {len(tails)}")
+    if hit_tokens < 0 or hit_tokens % geo.unit:
+        raise InvalidRequest(f"hit_tokens {hit_tokens} is not a non-negative multiple of {geo.unit}")
+    if hit_tokens > num_hashes * u:
+        raise InvalidRequest(f"hit_tokens {hit_tokens} exceeds the {num_hashes} block hashes given")
+    for group, tail in zip(geo.groups, tails, strict=True):
+        where = f"group {group.index} ({group.spec.describe()})"
+        if hit_tokens == 0:
+            if tail:
+                raise InvalidRequest(f"{where}: tail boundary must be 0 for a zero-token hit, got {tail}")
+            continue
+        block_end = ((hit_tokens - 1) // group.span + 1) * group.span
+        exact = group.spec.recurrent or hit_tokens == block_end
+        if exact and tail != hit_tokens:
+            raise InvalidRequest(f"{where}: tail boundary must be the hit end {hit_tokens}, got {tail}")
+        if not hit_tokens <= tail <= block_end or tail % u or tail > num_hashes * u:
+            raise InvalidRequest(
+                f"{where}: tail boundary {tail} must be a multiple of {u} in [{hit_tokens}, {block_end}] "
+                f"covered by the block hashes given"
+            )
+
+
+def _check_groups(geo: Geometry, block_ids: Sequence[Sequence[int]]) -> None:
+    if len(block_ids) != len(geo.groups):
+        raise InvalidRequest(f"expected block ids for {len(geo.groups)} groups, got {len(block_ids)}")
+
+
+def _check_index(group: GroupGeometry, ids: Sequence[int], index: int) -> None:
+    if index >= len(ids):
+        raise InvalidRequest(
+            f"group {group.index} ({group.spec.describe()}) needs a block id for span {index}, "
+            f"got {len(ids)} block ids"
+        )

@@ -1,0 +1,218 @@
+"""The engine layout as frozen values: group kinds, parallel ranks, and their validation."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvsidecar.placement.errors import InvalidLayout
+
+
+class Kind(str, enum.Enum):
+    """The kind of one KV-cache group (or of one member of a uniform group)."""
+
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    MLA = "mla"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    UNIFORM = "uniform"
+
+    @property
+    def recurrent(self) -> bool:
+        """State that is sharded by head/dim and stored per boundary, never as token blocks."""
+        return self is Kind.MAMBA
+
+    @property
+    def latent(self) -> bool:
+        """MLA kinds: the latent is replicated on every TP rank."""
+        return self in (Kind.MLA, Kind.SLIDING_WINDOW_MLA)
+
+    @property
+    def sliding(self) -> bool:
+        """Attention that only needs the last `window` tokens."""
+        return self in (Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV-cache group: its kind, tokens per physical block, window, and members if uniform."""
+
+    kind: Kind
+    block_size: int
+    window: int = 0
+    inner: tuple[Kind, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidLayout(f"block_size must be >= 1, got {self.block_size}")
+        if self.kind is Kind.UNIFORM:
+            if not self.inner:
+                raise InvalidLayout("a uniform group needs at least one member kind")
+            if Kind.UNIFORM in self.inner:
+                raise InvalidLayout("uniform groups nest one level only: a member cannot be uniform")
+        elif self.inner:
+            raise InvalidLayout(f"only uniform groups have members, not {self.kind.value}")
+        has_sliding = any(k.sliding for k in self.members)
+        if has_sliding and self.window < 1:
+            raise InvalidLayout(f"{self.describe()}: a sliding-window group needs window >= 1")
+        if not has_sliding and self.window:
+            raise InvalidLayout(f"{self.describe()}: window is only for sliding-window kinds")
+
+    @property
+    def members(self) -> tuple[Kind, ...]:
+        """The kinds whose rules apply: the members of a uniform group, else the kind itself."""
+        return self.inner if self.kind is Kind.UNIFORM else (self.kind,)
+
+    @property
+    def recurrent(self) -> bool:
+        """Any recurrent member makes the whole packed value rank-specific and boundary-exact."""
+        return any(k.recurrent for k in self.members)
+
+    @property
+    def attention(self) -> bool:
+        """Any member that stores token blocks (full, sliding or MLA attention)."""
+        return any(not k.recurrent for k in self.members)
+
+    @property
+    def gqa(self) -> bool:
+        """Any ordinary (non-latent) attention member, whose heads are split across TP ranks."""
+        return any(not k.recurrent and not k.latent for k in self.members)
+
+    @property
+    def attention_window(self) -> int | None:
+        """Tokens of history the attention members need: None for all of them, else the widest window."""
+        attn = [k for k in self.members if not k.recurrent]
+        if not attn or any(not k.sliding for k in attn):
+            return None
+        return self.window
+
+    def describe(self) -> str:
+        """The group in the `--groups` syntax, e.g. `uniform(mla+full_attention)` or `sliding_window:4096`."""
+        if self.kind is Kind.UNIFORM:
+            body = "+".join(f"{k.value}:{self.window}" if k.sliding else k.value for k in self.inner)
+            return f"uniform({body})"
+        return f"{self.kind.value}:{self.window}" if self.kind.sliding else self.kind.value
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP size D."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    pcp_size: int = 1
+    pcp_rank: int = 0
+    dcp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, size, rank in (
+            ("tp", self.tp_size, self.tp_rank),
+            ("pp", self.pp_size, self.pp_rank),
+            ("pcp", self.pcp_size, self.pcp_rank),
+        ):
+            if size < 1:
+                raise InvalidLayout(f"{name}_size must be >= 1, got {size}")
+            if not 0 <= rank < size:
+                raise InvalidLayout(f"{name}_rank must be in [0, {size}), got {rank}")
+        if self.dcp_size < 1:
+            raise InvalidLayout(f"dcp_size must be >= 1, got {self.dcp_size}")
+        if self.tp_size % self.dcp_size:
+            raise InvalidLayout(f"dcp_size {self.dcp_size} must divide tp_size {self.tp_size}")
+
+    @property
+    def dcp_rank(self) -> int:
+        """d = r mod D: which slice of the sequence this rank holds under DCP."""
+        return self.tp_rank % self.dcp_size
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Everything placement needs to know about one engine rank."""
+
+    model: str
+    groups: tuple[GroupSpec, ...]
+    parallel: Parallel = Parallel()
+    num_kv_heads: int = 1
+    hash_block_size: int = 16
+    cache_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model_key:
+            raise InvalidLayout(f"model name {self.model!r} has no last path component")
+        # '@' separates key fields: letting it into a name would let one tenant forge another's keys.
+        if "@" in self.model_key:
+            raise InvalidLayout(f"model name must not contain '@': {self.model!r}")
+        if "@" in self.cache_prefix:
+            raise InvalidLayout(f"cache_prefix must not contain '@': {self.cache_prefix!r}")
+        if self.num_kv_heads < 1:
+            raise InvalidLayout(f"num_kv_heads must be >= 1, got {self.num_kv_heads}")
+        if self.hash_block_size < 1:
+            raise InvalidLayout(f"hash_block_size must be >= 1, got {self.hash_block_size}")
+        if not self.groups:
+            raise InvalidLayout("a layout needs at least one KV-cache group")
+        for index, group in enumerate(self.groups):
+            if group.block_size % self.hash_block_size:
+                raise InvalidLayout(
+                    f"group {index} ({group.describe()}): block_size {group.block_size} is not a multiple "
+                    f"of hash_block_size {self.hash_block_size}"
+                )
+        tp, heads = self.parallel.tp_size, self.num_kv_heads
+        if any(g.gqa for g in self.groups) and heads % tp and tp % heads:
+            raise InvalidLayout(f"num_kv_heads {heads} and tp_size {tp} must divide one another")
+
+    @property
+    def model_key(self) -> str:
+        """The model's field in keys: the last path component of its name."""
+        return self.model.rstrip("/").split("/")[-1]
+
+
+def parse_group(text: str, block_size: int) -> GroupSpec:
+    """Parse one `--groups` entry: `kind[:window][/block_size]`, or `uniform(a+b:window)[/block_size]`."""
+    spec = text.strip()
+    if "/" in spec.rsplit(")", 1)[-1]:
+        spec, _, size = spec.rpartition("/")
+        block_size = _parse_int(size, f"block size in {text!r}")
+    if spec.startswith("uniform(") and spec.endswith(")"):
+        window = 0
+        inner: list[Kind] = []
+        for part in spec[len("uniform(") : -1].split("+"):
+            kind, part_window = _parse_kind(part, text)
+            if kind is Kind.UNIFORM:
+                raise InvalidLayout(f"uniform groups nest one level only: {text!r}")
+            window = max(window, part_window)
+            inner.append(kind)
+        return GroupSpec(Kind.UNIFORM, block_size, window, tuple(inner))
+    kind, window = _parse_kind(spec, text)
+    if kind is Kind.UNIFORM:
+        raise InvalidLayout(f"write a uniform group as uniform(kind+kind), got {text!r}")
+    return GroupSpec(kind, block_size, window)
+
+
+def parse_groups(text: str, block_size: int) -> tuple[GroupSpec, ...]:
+    """Parse a comma-separated `--groups` value (commas inside uniform(...) do not occur)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise InvalidLayout("--groups is empty")
+    return tuple(parse_group(p, block_size) for p in parts)
+
+
+def _parse_kind(text: str, whole: str) -> tuple[Kind, int]:
+    name, _, window = text.strip().partition(":")
+    try:
+        kind = Kind(name)
+    except ValueError:
+        known = ", ".join(k.value for k in Kind)
+        raise InvalidLayout(f"unknown group kind {name!r} in {whole!r} (known: {known})") from None
+    if window and not kind.sliding:
+        raise InvalidLayout(f"only sliding-window kinds take a window, got {text!r}")
+    return kind, _parse_int(window, f"window in {whole!r}") if window else 0
+
+
+def _parse_int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidLayout(f"{what} must be an integer, got {text!r}") from None

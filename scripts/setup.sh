@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment with the daemon, its client and the test tools.
+# Idempotent: a second run only checks what is already there.
+#   VENV=path     where the environment goes (default .venv in the repo)
+#   FLAVOUR=cpu   Mooncake build: cpu (mooncake-transfer-engine-non-cuda) or cuda
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+FLAVOUR=${FLAVOUR:-cpu}
+PY=${PYTHON:-python3}
+
+# Mooncake's native libraries need libibverbs even for TCP. With root, take the Debian package; without,
+# unpack the .debs into the venv, where kvsidecar finds them (kvsidecar/store/native.py).
+need_ibverbs() { ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; }
+if need_ibverbs; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y --no-install-recommends libibverbs1 >/dev/null 2>&1 \
+      || { apt-get update >/dev/null && apt-get install -y --no-install-recommends libibverbs1 >/dev/null; }
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip -q "$@"; }
+
+if need_ibverbs && [ ! -e "$VENV/lib/kvsidecar-native/libibverbs.so.1" ]; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null)
+  mkdir -p "$VENV/lib/kvsidecar-native"
+  for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/root"; done
+  find "$tmp/root" -name '*.so*' -exec cp -a {} "$VENV/lib/kvsidecar-native/" \;
+  rm -rf "$tmp"
+fi
+
+# The CPU torch wheel first, so the daemon's torch>=2.4 is already satisfied and pip pulls no CUDA packages.
+"$VENV/bin/python" -c 'import torch' 2>/dev/null || pip install "torch==2.13.0"
+pip install -e ./client -e ".[$FLAVOUR,test]"
+echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import kvsidecar; print(kvsidecar.__version__)'))"
