@@ -1,0 +1,33 @@
+"""An independent model of which engine ranks hold byte-identical KV bytes.
+
+Written from the engine's point of view (which heads, which sequence slice, which layers a rank holds), not
+from the placement rules, so the placement core can be checked against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from kvsidecar.placement import GroupSpec, Kind, Layout
+
+
+def member_bytes(kind: Kind, tp_rank: int, tp_size: int, num_kv_heads: int, dcp_size: int) -> Hashable:
+    """What one member kind of a group holds on a TP rank."""
+    seq = tp_rank % dcp_size if dcp_size > 1 else None  # DCP: each rank holds its slice of the sequence
+    if kind is Kind.MAMBA:
+        return ("state-shard", tp_rank)  # head/dim-sharded state: never the same on two ranks
+    if kind in (Kind.MLA, Kind.SLIDING_WINDOW_MLA):
+        return ("latent", seq)  # the latent is replicated on every rank
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        heads = tuple(range(tp_rank * per, (tp_rank + 1) * per))
+    else:
+        heads = (tp_rank * num_kv_heads // tp_size,)  # T/H ranks replicate each KV head
+    return ("heads", heads, seq)
+
+
+def group_bytes(layout: Layout, group: GroupSpec, tp_rank: int, pcp_rank: int, pp_rank: int) -> Hashable:
+    """What a rank holds for a whole group: every member, on its own PCP rank and pipeline stage."""
+    par = layout.parallel
+    members = tuple(member_bytes(k, tp_rank, par.tp_size, layout.num_kv_heads, par.dcp_size) for k in group.members)
+    return (members, pcp_rank, pp_rank)

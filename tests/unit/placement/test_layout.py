@@ -1,0 +1,112 @@
+"""Layout validation and the `--groups` syntax: bad layouts raise InvalidLayout with the reason."""
+
+import re
+
+import pytest
+
+from kvsidecar.placement import GroupSpec, InvalidLayout, Kind, Layout, Parallel, parse_group, parse_groups
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("mla", GroupSpec(Kind.MLA, 16)),
+        ("full_attention/32", GroupSpec(Kind.FULL_ATTENTION, 32)),
+        ("sliding_window:4096", GroupSpec(Kind.SLIDING_WINDOW, 16, 4096)),
+        ("sliding_window_mla:128/64", GroupSpec(Kind.SLIDING_WINDOW_MLA, 64, 128)),
+        ("mamba/64", GroupSpec(Kind.MAMBA, 64)),
+        ("uniform(mla+full_attention)", GroupSpec(Kind.UNIFORM, 16, 0, (Kind.MLA, Kind.FULL_ATTENTION))),
+        (
+            "uniform(sliding_window:512+full_attention)/32",
+            GroupSpec(Kind.UNIFORM, 32, 512, (Kind.SLIDING_WINDOW, Kind.FULL_ATTENTION)),
+        ),
+    ],
+)
+def test_parse_group(text, expected):
+    assert parse_group(text, 16) == expected
+
+
+def test_parse_groups_round_trips_describe():
+    groups = parse_groups("mla,mamba,sliding_window:128,uniform(mla+full_attention)", 16)
+    assert [g.describe() for g in groups] == [
+        "mla",
+        "mamba",
+        "sliding_window:128",
+        "uniform(mla+full_attention)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("", "empty"),
+        ("attention", "unknown group kind 'attention'"),
+        ("mla:16", "only sliding-window kinds take a window"),
+        ("sliding_window", "needs window >= 1"),
+        ("sliding_window:abc", "window in"),
+        ("uniform()", "unknown group kind ''"),
+        ("uniform(uniform(mla))", "unknown group kind"),
+        ("uniform", "uniform(kind+kind)"),
+        ("mla/0", "block_size must be >= 1"),
+        ("mla/x", "block size in"),
+    ],
+)
+def test_bad_groups(text, reason):
+    with pytest.raises(InvalidLayout, match=re.escape(reason)):
+        parse_groups(text, 16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"tp_size": 0}, "tp_size must be >= 1"),
+        ({"tp_size": 2, "tp_rank": 2}, r"tp_rank must be in \[0, 2\)"),
+        ({"tp_rank": -1}, "tp_rank must be in"),
+        ({"pp_size": 2, "pp_rank": 5}, "pp_rank must be in"),
+        ({"pcp_size": 0}, "pcp_size must be >= 1"),
+        ({"pcp_size": 2, "pcp_rank": 2}, "pcp_rank must be in"),
+        ({"dcp_size": 0}, "dcp_size must be >= 1"),
+        ({"tp_size": 4, "dcp_size": 3}, "dcp_size 3 must divide tp_size 4"),
+    ],
+)
+def test_bad_parallel(kwargs, reason):
+    with pytest.raises(InvalidLayout, match=reason):
+        Parallel(**kwargs)
+
+
+MLA = (GroupSpec(Kind.MLA, 16),)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"model": ""}, "has no last path component"),
+        ({"model": "/"}, "has no last path component"),
+        ({"model": "a@b"}, "must not contain '@'"),
+        ({"cache_prefix": "x@y"}, "cache_prefix must not contain '@'"),
+        ({"num_kv_heads": 0}, "num_kv_heads must be >= 1"),
+        ({"hash_block_size": 0}, "hash_block_size must be >= 1"),
+        ({"groups": ()}, "at least one KV-cache group"),
+        ({"groups": (GroupSpec(Kind.MLA, 24),)}, "block_size 24 is not a multiple of hash_block_size 16"),
+        (
+            {
+                "groups": (GroupSpec(Kind.FULL_ATTENTION, 16),),
+                "num_kv_heads": 3,
+                "parallel": Parallel(tp_size=2),
+            },
+            "num_kv_heads 3 and tp_size 2 must divide one another",
+        ),
+    ],
+)
+def test_bad_layout(kwargs, reason):
+    args = {"model": "m", "groups": MLA, **kwargs}
+    with pytest.raises(InvalidLayout, match=reason):
+        Layout(**args)
+
+
+def test_heads_need_not_divide_tp_without_gqa_groups():
+    Layout("m", (GroupSpec(Kind.MLA, 16), GroupSpec(Kind.MAMBA, 16)), Parallel(tp_size=4), num_kv_heads=3)
+
+
+def test_invalid_layout_is_a_value_error():
+    assert issubclass(InvalidLayout, ValueError)
