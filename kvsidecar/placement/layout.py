@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvsidecar.placement.errors import InvalidLayout
 
@@ -162,6 +162,11 @@ class Layout:
         tp, heads = self.parallel.tp_size, self.num_kv_heads
         if any(g.gqa for g in self.groups) and heads % tp and tp % heads:
             raise InvalidLayout(f"num_kv_heads {heads} and tp_size {tp} must divide one another")
+
+    def for_rank(self, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> Layout:
+        """The same engine seen from another rank."""
+        par = replace(self.parallel, tp_rank=tp_rank, pcp_rank=pcp_rank, pp_rank=pp_rank)
+        return replace(self, parallel=par)
 
     @property
     def model_key(self) -> str:

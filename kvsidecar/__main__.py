@@ -1,0 +1,7 @@
+"""`python -m kvsidecar`."""
+
+import sys
+
+from kvsidecar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""`kvsidecar layout`, run as a real process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvsidecar", "layout", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_json_for_example_a():
+    out = run(
+        "--tp", "4", "--kv-heads", "2", "--groups", "mla,full_attention,mamba,uniform(mla+full_attention)", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    groups = info["groups"]
+    assert [g["index"] for g in groups] == [0, 1, 2, 3]
+    assert [g["kind"] for g in groups] == ["mla", "full_attention", "mamba", "uniform"]
+    assert [g["replication_factor"] for g in groups] == [4, 2, 1, 2]
+    assert [g["keys_per_boundary"] for g in groups] == [1, 2, 4, 2]
+    assert [g["shard_of_rank"] for g in groups] == [[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 2, 3], [0, 0, 1, 1]]
+    assert [g["writers_of_chunk0"] for g in groups] == [[0], [1, 3], [0, 1, 2, 3], [1, 3]]
+    zero = "00" * 32
+    assert groups[2]["example_key_of_rank"] == [
+        f"model@tp_rank:{r}@pcp0@dcp0@pp_rank:0@group:2@{zero}" for r in range(4)
+    ]
+
+
+def test_json_with_dcp_pp_pcp_prefix_and_model():
+    out = run(
+        "--tp", "4", "--dcp", "2", "--pp", "2", "--pcp", "2", "--groups", "mla,sliding_window:4096",
+        "--model", "org/Kimi", "--cache-prefix", "tenant-a", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["groups"][1]["kind"] == "sliding_window"
+    assert info["groups"][1]["window"] == 4096
+    assert [g["keys_per_boundary"] for g in info["groups"]] == [16, 16]
+    assert (
+        info["groups"][0]["example_key_of_rank"][3]
+        == f"tenant-a@Kimi@tp_rank:3@pcp0@dcp1@pp_rank:0@group:0@{'00' * 32}"
+    )
+
+
+def test_table_is_readable():
+    out = run("--tp", "2", "--groups", "mla,mamba")
+    assert out.returncode == 0
+    assert "replication" not in out.stderr
+    assert "keys/boundary" in out.stdout and "mamba" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (("--tp", "4", "--dcp", "3"), "dcp_size 3 must divide tp_size 4"),
+        (("--groups", "attention"), "unknown group kind 'attention'"),
+        (("--tp", "0"), "tp_size must be >= 1"),
+        (("--model", "a@b"), "must not contain '@'"),
+    ],
+)
+def test_invalid_layouts_exit_nonzero_with_one_line(args, reason):
+    out = run(*args)
+    assert out.returncode != 0
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and reason in lines[0]
