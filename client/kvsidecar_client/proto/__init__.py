@@ -1,0 +1,1 @@
+"""Generated code of proto/kvsidecar/v1/sidecar.proto (scripts/gen_proto.sh)."""

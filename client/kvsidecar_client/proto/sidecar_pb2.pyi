@@ -1,0 +1,363 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_RANK: _ClassVar[Role]
+    ROLE_SCHEDULER: _ClassVar[Role]
+
+class GroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_KIND_UNSPECIFIED: _ClassVar[GroupKind]
+    FULL_ATTENTION: _ClassVar[GroupKind]
+    SLIDING_WINDOW: _ClassVar[GroupKind]
+    MLA: _ClassVar[GroupKind]
+    SLIDING_WINDOW_MLA: _ClassVar[GroupKind]
+    MAMBA: _ClassVar[GroupKind]
+    UNIFORM: _ClassVar[GroupKind]
+ROLE_UNSPECIFIED: Role
+ROLE_RANK: Role
+ROLE_SCHEDULER: Role
+GROUP_KIND_UNSPECIFIED: GroupKind
+FULL_ATTENTION: GroupKind
+SLIDING_WINDOW: GroupKind
+MLA: GroupKind
+SLIDING_WINDOW_MLA: GroupKind
+MAMBA: GroupKind
+UNIFORM: GroupKind
+
+class EngineIdentity(_message.Message):
+    __slots__ = ("model", "cache_prefix")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    cache_prefix: str
+    def __init__(self, model: _Optional[str] = ..., cache_prefix: _Optional[str] = ...) -> None: ...
+
+class ParallelLayout(_message.Message):
+    __slots__ = ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size")
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PCP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PCP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    pcp_size: int
+    pcp_rank: int
+    dcp_size: int
+    def __init__(self, tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pcp_size: _Optional[int] = ..., pcp_rank: _Optional[int] = ..., dcp_size: _Optional[int] = ...) -> None: ...
+
+class KVCacheGroup(_message.Message):
+    __slots__ = ("kind", "block_size", "window", "inner")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    INNER_FIELD_NUMBER: _ClassVar[int]
+    kind: GroupKind
+    block_size: int
+    window: int
+    inner: _containers.RepeatedScalarFieldContainer[GroupKind]
+    def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., block_size: _Optional[int] = ..., window: _Optional[int] = ..., inner: _Optional[_Iterable[_Union[GroupKind, str]]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    engine: EngineIdentity
+    parallel: ParallelLayout
+    num_kv_heads: int
+    hash_block_size: int
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    hash_bytes: int
+    role: Role
+    client_name: str
+    def __init__(self, engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., num_kv_heads: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., hash_bytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class GroupPlacement(_message.Message):
+    __slots__ = ("replication_factor", "shard_id", "keys_per_boundary", "span_tokens")
+    REPLICATION_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PER_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    SPAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    replication_factor: int
+    shard_id: int
+    keys_per_boundary: int
+    span_tokens: int
+    def __init__(self, replication_factor: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys_per_boundary: _Optional[int] = ..., span_tokens: _Optional[int] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "lease_ms", "hit_alignment_tokens", "fine_grained_hits", "groups", "daemon_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    HIT_ALIGNMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINE_GRAINED_HITS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_ms: int
+    hit_alignment_tokens: int
+    fine_grained_hits: bool
+    groups: _containers.RepeatedCompositeFieldContainer[GroupPlacement]
+    daemon_version: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupPlacement, _Mapping]]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class SharedMemoryHandle(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class MemoryRegion(_message.Message):
+    __slots__ = ("shm", "cuda", "mapping_bytes", "offset", "block_stride", "block_bytes", "num_blocks", "groups")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    shm: SharedMemoryHandle
+    cuda: CudaIpcHandle
+    mapping_bytes: int
+    offset: int
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+    groups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., mapping_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RegisterMemoryRequest(_message.Message):
+    __slots__ = ("session_id", "regions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
+    def __init__(self, session_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ...) -> None: ...
+
+class RegisterMemoryResponse(_message.Message):
+    __slots__ = ("mapped_bytes", "value_bytes")
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    mapped_bytes: int
+    value_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mapped_bytes: _Optional[int] = ..., value_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ms", "store_healthy")
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    STORE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    lease_ms: int
+    store_healthy: bool
+    def __init__(self, lease_ms: _Optional[int] = ..., store_healthy: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FailedBlock(_message.Message):
+    __slots__ = ("group", "block_id", "reason")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    block_id: int
+    reason: str
+    def __init__(self, group: _Optional[int] = ..., block_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("session_id", "block_hashes", "block_ids", "num_tokens", "saved_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    saved_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("written", "skipped", "failed", "striped_to_others", "bytes_written", "failures")
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    STRIPED_TO_OTHERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    written: int
+    skipped: int
+    failed: int
+    striped_to_others: int
+    bytes_written: int
+    failures: _containers.RepeatedCompositeFieldContainer[FailedBlock]
+    def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., striped_to_others: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "block_hashes", "num_tokens", "eagle")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EAGLE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_tokens: int
+    eagle: bool
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., eagle: _Optional[bool] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_tokens", "tail_boundaries", "degraded", "detail")
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    hit_tokens: int
+    tail_boundaries: _containers.RepeatedScalarFieldContainer[int]
+    degraded: bool
+    detail: str
+    def __init__(self, hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("session_id", "block_hashes", "block_ids", "hit_tokens", "tail_boundaries", "start_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    START_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    hit_tokens: int
+    tail_boundaries: _containers.RepeatedScalarFieldContainer[int]
+    start_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., start_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("loaded", "bytes_loaded", "failures")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    loaded: int
+    bytes_loaded: int
+    failures: _containers.RepeatedCompositeFieldContainer[FailedBlock]
+    def __init__(self, loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id_prefix", "role", "model", "cache_prefix", "parallel", "mapped_bytes", "age_seconds", "client_name")
+    SESSION_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id_prefix: str
+    role: Role
+    model: str
+    cache_prefix: str
+    parallel: ParallelLayout
+    mapped_bytes: int
+    age_seconds: float
+    client_name: str
+    def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    STORE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    daemon_version: str
+    uptime_seconds: float
+    store_healthy: bool
+    store_detail: str
+    master_address: str
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    counters: _containers.ScalarMap[str, float]
+    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
