@@ -1,0 +1,84 @@
+"""The store interface the service depends on; Mooncake and the in-memory test store implement it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+from kvsidecar.store.codes import StoreCode, StoreError
+
+
+class Presence(enum.Enum):
+    """Result of an existence check for one key."""
+
+    PRESENT = 1
+    ABSENT = 0
+    UNKNOWN = -1  # the check itself failed: never count it as a hit
+
+
+class StoreHealth(NamedTuple):
+    """What an operator needs to know about the store connection."""
+
+    healthy: bool
+    detail: str
+
+
+class Store(Protocol):
+    """A batch key-value store that moves bytes straight to and from registered memory.
+
+    A value is a list of buffers (address, size) concatenated; ``put_from`` and ``get_into`` take, per key, the
+    addresses and sizes of its buffers. Every method returns one result per key, in order, and raises only
+    ``StoreError`` (``StoreUnavailable`` when the store cannot be reached at all).
+    """
+
+    def register_buffer(self, address: int, size: int) -> None:
+        """Make [address, address+size) usable for zero-copy transfers (required for RDMA)."""
+
+    def unregister_buffer(self, address: int) -> None:
+        """Undo register_buffer for the buffer starting at address."""
+
+    def exists(self, keys: Sequence[str]) -> list[Presence]:
+        """One batch existence check."""
+        ...
+
+    def put_from(
+        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[StoreCode]:
+        """One batch put; an existing key keeps its old value and reports OK."""
+        ...
+
+    def get_into(
+        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[StoreCode]:
+        """One batch get; OK only when exactly sum(sizes) bytes were written for that key."""
+        ...
+
+    def remove(self, keys: Sequence[str]) -> list[StoreCode]:
+        """Remove these keys even if leased (a value that must not be served); one result per key."""
+        ...
+
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every key that starts with prefix; return how many were removed."""
+        ...
+
+    def health(self) -> StoreHealth:
+        """Whether the store and its master answer."""
+        ...
+
+    def close(self) -> None:
+        """Release the store; later calls raise StoreUnavailable instead of crashing."""
+
+
+def check_batch_shapes(keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> None:
+    """Raise StoreError(INVALID_PARAMS) unless there is one address list and one size list per key, of equal length."""
+    if len(addresses) != len(keys) or len(sizes) != len(keys):
+        raise StoreError(
+            StoreCode.INVALID_PARAMS,
+            f"{len(keys)} keys but {len(addresses)} address lists and {len(sizes)} size lists",
+        )
+    for key, key_addresses, key_sizes in zip(keys, addresses, sizes, strict=True):
+        if len(key_addresses) != len(key_sizes):
+            raise StoreError(
+                StoreCode.INVALID_PARAMS, f"key {key!r} has {len(key_addresses)} addresses but {len(key_sizes)} sizes"
+            )

@@ -1,0 +1,64 @@
+"""Mooncake's return codes become typed StoreCodes in one table; failures are typed errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsidecar.store import StoreCode, StoreError, StoreUnavailable
+from kvsidecar.store.codes import from_mooncake
+
+MOONCAKE_CODES = [
+    (-1, StoreCode.INTERNAL),
+    (-101, StoreCode.SEGMENT_NOT_FOUND),
+    (-200, StoreCode.NO_SPACE),
+    (-600, StoreCode.INVALID_PARAMS),
+    (-704, StoreCode.NOT_FOUND),
+    (-705, StoreCode.EXISTS),
+    (-706, StoreCode.LEASED),
+    (-707, StoreCode.LEASE_EXPIRED),
+    (-800, StoreCode.TRANSFER_FAILED),
+    (-900, StoreCode.RPC_FAILED),
+    (-901, StoreCode.RPC_TIMEOUT),
+]
+
+
+@pytest.mark.parametrize(("number", "code"), MOONCAKE_CODES)
+def test_each_documented_number_has_its_code(number, code):
+    assert from_mooncake(number) is code
+
+
+@pytest.mark.parametrize("value", [0, 1, 4096, 1 << 40])
+def test_zero_and_byte_counts_are_ok(value):
+    assert from_mooncake(value) is StoreCode.OK
+
+
+@pytest.mark.parametrize("number", [-2, -100, -201, -703, -708, -902, -999999])
+def test_unknown_negative_numbers_are_internal_never_ok(number):
+    assert from_mooncake(number) is StoreCode.INTERNAL
+
+
+def test_labels_are_unique_lowercase_metric_labels():
+    labels = [code.value for code in StoreCode]
+    assert len(labels) == len(set(labels))
+    assert all(label.isidentifier() and label == label.lower() for label in labels)
+
+
+def test_codes_that_only_kvsidecar_produces_have_no_number():
+    mapped = {code for _, code in MOONCAKE_CODES}
+    assert set(StoreCode) - mapped == {
+        StoreCode.OK,
+        StoreCode.SIZE_MISMATCH,
+        StoreCode.UNAVAILABLE,
+        StoreCode.DEADLINE_EXCEEDED,
+    }
+
+
+def test_store_error_carries_code_and_reason():
+    err = StoreError(StoreCode.NO_SPACE, "segment full")
+    assert (err.code, err.reason, str(err)) == (StoreCode.NO_SPACE, "segment full", "no_space: segment full")
+
+
+def test_unavailable_is_a_store_error_with_the_unavailable_code():
+    err = StoreUnavailable("master 127.0.0.1:1 unreachable")
+    assert isinstance(err, StoreError)
+    assert (err.code, str(err)) == (StoreCode.UNAVAILABLE, "unavailable: master 127.0.0.1:1 unreachable")
