@@ -93,6 +93,7 @@ class SidecarServicer:
 
     def RegisterMemory(self, request, context):
         """Maps the rank's KV-cache memory once (shared memory on CPU, CUDA IPC on GPU) and registers it with the store.
+        A second call on the same session is FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,6 +116,8 @@ class SidecarServicer:
     def Save(self, request, context):
         """Writes the blocks this rank owns (striped inside its replication set) that the store does not hold yet.
         Returns when the bytes have been read out of engine memory: until then the engine must not reuse the blocks.
+        Honour the call's deadline: past it the daemon starts no put, and removes values it finished writing after
+        it, so a block the engine reused after giving up is never served.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

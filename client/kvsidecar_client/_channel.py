@@ -1,0 +1,50 @@
+"""The gRPC channel to the daemon: target syntax and the options every client channel uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "channel_options", "make_channel", "target"]
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the daemon's default --max-message-bytes
+
+# Reconnect quickly: a restarted daemon on the same node is back within seconds, and gRPC's default backoff (up to
+# 120 s) would keep a healthy daemon unused for minutes.
+_INITIAL_RECONNECT_BACKOFF_MS = 100
+_MAX_RECONNECT_BACKOFF_MS = 500
+
+# HTTP/2 keepalive only while calls are in flight, and no more often than the server's default tolerance (5 min
+# between pings without data), or the daemon answers GOAWAY "too_many_pings". On a Unix socket the kernel reports a
+# dead daemon at once; a hung one is caught by deadlines and by the session's KeepAlive RPC.
+_KEEPALIVE_TIME_MS = 300_000
+_KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+def target(address: str) -> str:
+    """A gRPC target: `unix:///abs/path`, `unix:rel/path` and `host:port` pass through; a bare path becomes unix://."""
+    if address.startswith("/"):
+        return "unix://" + address
+    return address
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """Options of the client channel (message size both ways, reconnect backoff, keepalive)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", _INITIAL_RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", _INITIAL_RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 0),
+        # Our own retry logic (re-open on NOT_FOUND) decides what is safe to resend.
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """An insecure channel to the daemon: a node-local Unix socket, or TCP inside a trusted pod network."""
+    return grpc.insecure_channel(target(address), options=channel_options(max_message_bytes))

@@ -1,0 +1,398 @@
+"""SidecarClient: what an engine rank (or its scheduler) calls to save, look up and load KV-cache blocks.
+
+Sessions, keep-alive and reconnects live in `session.py`; this module validates input, builds requests and turns
+answers into value types.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, make_channel
+from kvsidecar_client.deadlines import Deadlines
+from kvsidecar_client.errors import ClientClosed, DaemonUnavailable, InvalidRequest, PreconditionFailed, SessionLost
+from kvsidecar_client.jobs import SaveJob
+from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
+from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_client.results import Hit, LoadResult, Registration, SaveResult, SessionInfo
+from kvsidecar_client.session import LiveSession, SessionKeeper, remaining
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MAX_REGIONS", "SidecarClient"]
+
+MAX_REGIONS = 4096  # the contract's limit per session
+_SAVE_RETRY_WORKERS = 4
+
+
+class SidecarClient:
+    """A session with the node's kvsidecar daemon: register memory once, then save, look up and load blocks.
+
+    One client per engine rank (role "rank") or per scheduler (role "scheduler": lookups only), created in the
+    process that uses it (gRPC channels do not survive fork). Thread-safe: save, lookup and load may be called from
+    several threads. Build it with `connect`; `SidecarClient(channel, spec)` then `start()` does the same over a
+    channel of your own.
+    """
+
+    def __init__(self, channel: grpc.Channel, spec: SessionSpec, *, deadlines: Deadlines | None = None) -> None:
+        self._keeper = SessionKeeper(channel, spec, deadlines or Deadlines())
+        self._spec = spec
+        self._deadlines = self._keeper.deadlines
+        self._pending: set[concurrent.futures.Future[SaveResult]] = set()
+        self._pending_lock = threading.Lock()
+        # Saves whose session was lost are re-sent from here, never from a gRPC callback thread.
+        self._retry_pool = concurrent.futures.ThreadPoolExecutor(_SAVE_RETRY_WORKERS, "kvsidecar-save-retry")
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        *,
+        model: str,
+        layout: EngineLayout,
+        num_kv_heads: int,
+        hash_block_size: int,
+        groups: Sequence[GroupSpec],
+        cache_prefix: str = "",
+        role: str = "rank",
+        hash_bytes: int = 32,
+        client_name: str | None = None,
+        deadlines: Deadlines | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> SidecarClient:
+        """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
+
+        Raises InvalidRequest for a bad layout (before any I/O) and DaemonUnavailable when no daemon answers within
+        the connect deadline.
+        """
+        spec = SessionSpec(
+            model=model,
+            layout=layout,
+            num_kv_heads=num_kv_heads,
+            hash_block_size=hash_block_size,
+            groups=tuple(groups),
+            cache_prefix=cache_prefix,
+            role=role,
+            hash_bytes=hash_bytes,
+            client_name=_default_client_name() if client_name is None else client_name,
+        )
+        client = cls(make_channel(address, max_message_bytes), spec, deadlines=deadlines)
+        try:
+            client.start()
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def start(self) -> None:
+        """Open the session (waiting up to the connect deadline for the daemon) and start renewing it."""
+        self._keeper.start()
+
+    # ---- the engine's calls ----
+
+    def register(
+        self,
+        tensors: Sequence[torch.Tensor],
+        groups_of_tensor: Sequence[Sequence[int]],
+        *,
+        timeout: float | None = None,
+    ) -> Registration:
+        """Register the rank's KV-cache tensors once (dim 0 = blocks; tensor i serves groups_of_tensor[i]).
+
+        CPU tensors must come from `shared_tensor`; CUDA tensors are shared by CUDA IPC. The client keeps the tensors
+        (and so their shared memory) alive, and registers them again on every re-opened session.
+        """
+        method = "RegisterMemory"
+        self._keeper.check_open(method)
+        if self._spec.is_scheduler:
+            raise PreconditionFailed("a scheduler session has no memory to register", method=method)
+        if len(tensors) != len(groups_of_tensor):
+            raise InvalidRequest(
+                f"{len(tensors)} tensors but {len(groups_of_tensor)} entries in groups_of_tensor", method=method
+            )
+        if not 1 <= len(tensors) <= MAX_REGIONS:
+            raise InvalidRequest(f"register 1..{MAX_REGIONS} tensors, got {len(tensors)}", method=method)
+        num_groups = len(self._spec.groups)
+        memory = tuple((tensor, tuple(groups)) for tensor, groups in zip(tensors, groups_of_tensor, strict=True))
+        for index, (_, groups) in enumerate(memory):
+            if not groups or any(not isinstance(g, int) or not 0 <= g < num_groups for g in groups):
+                raise InvalidRequest(
+                    f"tensor {index}: groups {groups!r} must name one or more of the {num_groups} groups",
+                    method=method,
+                )
+        return self._keeper.register(memory, self._deadlines.register if timeout is None else timeout)
+
+    def save(
+        self,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        *,
+        saved_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> SaveJob:
+        """Start saving the request's blocks and return at once; do not reuse the blocks before `job.done()`.
+
+        `block_ids[g][i]` is group g's physical block for its i-th span. Daemon trouble is reported by the job
+        (`job.result()` raises), never by this call; bad input and a missing `register` raise here.
+        """
+        self._keeper.check_open("Save")
+        self._require_memory("Save")
+        timeout = self._deadlines.save if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        request = _request(
+            "Save",
+            pb.SaveRequest,
+            block_hashes=block_hashes,
+            block_ids=self._block_ids(block_ids, "Save"),
+            num_tokens=num_tokens,
+            saved_tokens=saved_tokens,
+        )
+        future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()  # running from the start: a save is never cancelled
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._untrack)
+        session = self._keeper.session
+        if session is None:
+            self._retry_save(request, None, deadline, future)
+            return SaveJob(future)
+        request.session_id = session.id
+        try:
+            call = self._keeper.stub.Save.future(request, timeout=timeout)
+        except ValueError:  # grpc refuses calls on a channel closed meanwhile
+            future.set_exception(ClientClosed("the client is closed", method="Save"))
+            return SaveJob(future)
+        call.add_done_callback(lambda done: self._save_finished(done, request, session, deadline, future))
+        return SaveJob(future)
+
+    def lookup(
+        self,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        *,
+        eagle: bool = False,
+        timeout: float | None = None,
+        miss_on_unavailable: bool = True,
+    ) -> Hit:
+        """The longest prefix every group can serve (the last prompt token is always recomputed).
+
+        With `miss_on_unavailable` (the default) an unreachable daemon or a lookup past its deadline answers a
+        degraded miss (hit_tokens 0, degraded True) instead of raising DaemonUnavailable: the engine recomputes.
+        """
+        self._keeper.check_open("Lookup")
+        request = _request("Lookup", pb.LookupRequest, block_hashes=block_hashes, num_tokens=num_tokens, eagle=eagle)
+        try:
+            response = self._keeper.call("Lookup", request, self._deadlines.lookup if timeout is None else timeout)
+        except DaemonUnavailable as error:
+            if not miss_on_unavailable:
+                raise
+            return Hit.miss(len(self._spec.groups), f"daemon unavailable: {error}")
+        return Hit.from_proto(response)
+
+    def load_detailed(
+        self,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        hit: Hit,
+        *,
+        start_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> LoadResult:
+        """Read a lookup's hit into the blocks `block_ids` (per group) and name every block that failed.
+
+        Raises DaemonUnavailable when the daemon cannot be reached: the client cannot know which blocks the load
+        would have read, so the engine must then recompute every block it asked for.
+        """
+        self._keeper.check_open("Load")
+        self._require_memory("Load")
+        ids = self._block_ids(block_ids, "Load")
+        if hit.hit_tokens == 0:
+            return LoadResult(0, 0, ())
+        request = _request(
+            "Load",
+            pb.LoadRequest,
+            block_hashes=block_hashes,
+            block_ids=ids,
+            hit_tokens=hit.hit_tokens,
+            tail_boundaries=hit.tail_boundaries,
+            start_tokens=start_tokens,
+        )
+        response = self._keeper.call("Load", request, self._deadlines.load if timeout is None else timeout)
+        return LoadResult.from_proto(response)
+
+    def load(
+        self,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        hit: Hit,
+        *,
+        start_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> set[int]:
+        """Like `load_detailed`, returning only the ids of the blocks that failed to load."""
+        result = self.load_detailed(block_hashes, block_ids, hit, start_tokens=start_tokens, timeout=timeout)
+        return result.failed_block_ids
+
+    def reset(self, *, timeout: float | None = None) -> int:
+        """Remove every stored block of this model under this cache prefix; returns how many were removed."""
+        self._keeper.check_open("Reset")
+        timeout = self._deadlines.control if timeout is None else timeout
+        return int(self._keeper.call("Reset", pb.ResetRequest(), timeout).removed)
+
+    def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
+        """Daemon, store and session state, as the daemon reports it."""
+        self._keeper.check_open("Stats")
+        timeout = self._deadlines.control if timeout is None else timeout
+        response: pb.StatsResponse = self._keeper.rpc("Stats", pb.StatsRequest(), timeout)
+        return response
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait up to `timeout` s (default: the control deadline) for saves in flight, then close session and channel.
+
+        Never raises for a daemon that is gone: its lease reclaims the session.
+        """
+        if self._keeper.closed.is_set():
+            return
+        timeout = self._deadlines.control if timeout is None else timeout
+        with self._pending_lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout=timeout)
+        self._keeper.close(timeout)
+        self._retry_pool.shutdown(wait=False)
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ---- state for the engine and for operators ----
+
+    @property
+    def spec(self) -> SessionSpec:
+        """What this client told the daemon about its engine."""
+        return self._spec
+
+    @property
+    def session_info(self) -> SessionInfo | None:
+        """The current session's lease, hit alignment and placement; None while no session is open."""
+        session = self._keeper.session
+        return None if session is None else session.info
+
+    @property
+    def registration(self) -> Registration | None:
+        """The daemon's answer to the latest registration of memory, or None before `register`."""
+        return self._keeper.registration
+
+    @property
+    def connected(self) -> bool:
+        """A session is open and the daemon answered the last keep-alive."""
+        return self._keeper.connected
+
+    @property
+    def store_healthy(self) -> bool | None:
+        """The store's health as of the last keep-alive; None before the first one."""
+        return self._keeper.store_healthy
+
+    # ---- saves in flight ----
+
+    def _save_finished(
+        self,
+        call: grpc.Future,
+        request: pb.SaveRequest,
+        session: LiveSession,
+        deadline: float,
+        future: concurrent.futures.Future[SaveResult],
+    ) -> None:
+        # Runs on a gRPC thread: never block here; a retry goes to the pool.
+        if call.cancelled():
+            future.set_exception(ClientClosed("the save was cancelled", method="Save"))
+            return
+        error = call.exception()
+        if error is None:
+            future.set_result(SaveResult.from_proto(call.result()))
+            return
+        mapped = self._keeper.map_error(error, "Save")
+        if isinstance(mapped, SessionLost):
+            self._retry_save(request, session, deadline, future)
+        else:
+            future.set_exception(mapped)
+
+    def _retry_save(
+        self,
+        request: pb.SaveRequest,
+        stale: LiveSession | None,
+        deadline: float,
+        future: concurrent.futures.Future[SaveResult],
+    ) -> None:
+        try:
+            self._retry_pool.submit(self._save_again, request, stale, deadline, future)
+        except RuntimeError:  # the pool is shut down: the client closed
+            future.set_exception(ClientClosed("the client is closed", method="Save"))
+
+    def _save_again(
+        self,
+        request: pb.SaveRequest,
+        stale: LiveSession | None,
+        deadline: float,
+        future: concurrent.futures.Future[SaveResult],
+    ) -> None:
+        try:
+            session = self._keeper.recover(stale, deadline, "Save")
+            request.session_id = session.id
+            response = self._keeper.rpc("Save", request, remaining(deadline, "Save"))
+        except Exception as error:
+            # A job always completes: the engine waits on it before reusing its blocks.
+            future.set_exception(error)
+        else:
+            future.set_result(SaveResult.from_proto(response))
+
+    def _untrack(self, future: concurrent.futures.Future[SaveResult]) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
+
+    # ---- input ----
+
+    def _require_memory(self, method: str) -> None:
+        if self._spec.is_scheduler:
+            raise PreconditionFailed(f"a scheduler session has no memory: {method} is for engine ranks", method=method)
+        if not self._keeper.registered:
+            raise PreconditionFailed("register() the KV-cache tensors first", method=method)
+
+    def _block_ids(self, block_ids: Sequence[Sequence[int]], method: str) -> list[pb.BlockIds]:
+        if len(block_ids) != len(self._spec.groups):
+            raise InvalidRequest(
+                f"block_ids needs one list per KV-cache group ({len(self._spec.groups)}), got {len(block_ids)}",
+                method=method,
+            )
+        try:
+            return [pb.BlockIds(ids=ids) for ids in block_ids]
+        except (TypeError, ValueError) as error:
+            raise InvalidRequest(f"block ids must be ints in [0, 2**32): {error}", method=method) from None
+
+
+def _request(method: str, message: Any, **fields: Any) -> Any:
+    # protobuf raises TypeError/ValueError for a str hash or a negative count: give the engine our error type.
+    try:
+        return message(**fields)
+    except (TypeError, ValueError) as error:
+        raise InvalidRequest(f"bad {method} request: {error}", method=method) from None
+
+
+def _default_client_name() -> str:
+    from kvsidecar_client import __version__
+
+    return f"{socket.gethostname()} pid={os.getpid()} kvsidecar-client/{__version__}"

@@ -1,0 +1,239 @@
+"""Engine memory the daemon can map: shared-memory CPU tensors, and tensors described as MemoryRegion messages.
+
+Lifetime of a `shared_tensor` segment: the segment is created here (O_CREAT|O_EXCL under /dev/shm, mode 0600) and
+mapped once; the tensor's storage holds the only reference to that mapping, so the mapping lives exactly as long as
+the tensor or any view of it. A `weakref.finalize` on the mapping unlinks the name when the last view dies, and at
+interpreter exit for segments still alive (finalize runs at exit by itself). Unlinking removes only the name: the
+daemon's own mapping stays valid until it unmaps.
+
+Why not `multiprocessing.shared_memory.SharedMemory(create=True)`: its `close()` (also run from `__del__`) unmaps the
+segment as soon as no buffer export is held, and torch does not hold one, so a tensor over `shm.buf` can outlive its
+mapping. The resource-tracker half of SharedMemory is kept on purpose: each segment is registered with
+`multiprocessing.resource_tracker` like SharedMemory(create=True) would, so a process killed without running its
+finalizers still gets its segments unlinked, and unregistered when we unlink it ourselves. Only the creating process
+does this; the daemon must open segments by path (never `SharedMemory(name)`, which on Python < 3.13 registers the
+segment with the daemon's tracker too and would unlink the engine's segments when the daemon exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+from multiprocessing import resource_tracker
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvsidecar_client.errors import InvalidRequest
+from kvsidecar_client.proto import sidecar_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "SHM_DIR",
+    "RegionGeometry",
+    "Segment",
+    "cuda_ipc_handle",
+    "describe_region",
+    "describe_regions",
+    "region_geometry",
+    "segment_of",
+    "shared_tensor",
+]
+
+SHM_DIR = "/dev/shm"  # the daemon opens SHM_DIR/<name>
+_U32 = 2**32 - 1
+
+
+class Segment(NamedTuple):
+    """A named shared-memory segment: its name under /dev/shm and its size in bytes."""
+
+    name: str
+    size: int
+
+
+class RegionGeometry(NamedTuple):
+    """Where block b lives in a mapping: [offset + b * block_stride, + block_bytes)."""
+
+    offset: int
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+
+
+# storage data_ptr -> segment, for every live shared_tensor mapping; entries leave with their mapping.
+_segments: dict[int, Segment] = {}
+_segments_lock = threading.Lock()
+_counter = itertools.count()
+
+
+def _release(name: str, base: int, creator_pid: int) -> None:
+    with _segments_lock:
+        if _segments.get(base, Segment("", 0)).name == name:
+            del _segments[base]
+    # A forked child inherits this finalizer; only the creator may remove the name the daemon opens.
+    if os.getpid() != creator_pid:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
+def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int = 0o600) -> torch.Tensor:
+    """A zero-filled CPU tensor backed by a new named POSIX shared-memory segment the daemon can map."""
+    import torch
+
+    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    if not dims or any(d < 1 for d in dims):
+        raise InvalidRequest(f"a shared tensor needs a non-empty shape of positive sizes, got {shape!r}")
+    numel = math.prod(dims)
+    size = numel * dtype.itemsize
+    pid = os.getpid()
+    name = f"kvsidecar-{pid}-{next(_counter)}-{secrets.token_hex(8)}"
+    path = os.path.join(SHM_DIR, name)
+    # O_EXCL: never adopt a segment someone else created under a guessed name.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        try:
+            os.ftruncate(fd, size)  # tmpfs pages read as zeros until written
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+    finally:
+        os.close(fd)
+    resource_tracker.register("/" + name, "shared_memory")
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=numel).view(dims)
+    base = tensor.untyped_storage().data_ptr()
+    with _segments_lock:
+        _segments[base] = Segment(name, size)
+    weakref.finalize(mapping, _release, name, base, pid)
+    # From here the tensor's storage owns the only reference to the mapping.
+    del mapping
+    return tensor
+
+
+def segment_of(tensor: torch.Tensor) -> Segment | None:
+    """The segment behind a tensor (or any view of it) made by shared_tensor, else None."""
+    with _segments_lock:
+        return _segments.get(tensor.untyped_storage().data_ptr())
+
+
+def region_geometry(tensor: torch.Tensor) -> RegionGeometry:
+    """Offsets of a tensor whose dim 0 indexes blocks, in bytes from the start of its storage."""
+    import torch
+
+    if tensor.layout != torch.strided:
+        raise InvalidRequest(f"a KV-cache tensor must be strided, got layout {tensor.layout}")
+    if tensor.dim() < 1:
+        raise InvalidRequest("a KV-cache tensor needs at least one dimension (dim 0 indexes blocks)")
+    num_blocks = tensor.shape[0]
+    if not 1 <= num_blocks <= _U32:
+        raise InvalidRequest(f"a KV-cache tensor needs 1..{_U32} blocks in dim 0, got {num_blocks}")
+    block = tensor[0]
+    # The daemon copies one byte range per block: a block whose elements are not adjacent cannot be described.
+    if not block.is_contiguous():
+        raise InvalidRequest(
+            f"block 0 of a tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} is not contiguous; "
+            "register the underlying tensor (dim 0 = blocks) instead of a permuted view"
+        )
+    size = tensor.element_size()
+    block_bytes = block.numel() * size
+    block_stride = tensor.stride(0) * size
+    if num_blocks == 1:
+        # With one block the stride is never used, and torch may report anything for a size-1 dim.
+        block_stride = max(block_stride, block_bytes)
+    if block_bytes < 1 or block_stride < block_bytes:
+        raise InvalidRequest(
+            f"blocks overlap: block stride {block_stride} bytes is less than the block's {block_bytes} bytes"
+        )
+    return RegionGeometry(int(tensor.storage_offset()) * size, block_stride, block_bytes, num_blocks)
+
+
+def _as_bytes(value: Any) -> bytes:
+    # torch hands out bytes, but None where there is nothing to share (no event to wait on).
+    if value is None:
+        return b""
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def cuda_ipc_handle(share: Sequence[Any]) -> pb.CudaIpcHandle:
+    """The contract's CudaIpcHandle from the 8-tuple of torch's `UntypedStorage._share_cuda_()`."""
+    if len(share) != 8:
+        raise InvalidRequest(f"expected the 8 fields of _share_cuda_(), got {len(share)}")
+    device, handle, size, offset, ref_counter, ref_counter_offset, event, event_sync = share
+    if not handle:
+        raise InvalidRequest("the CUDA storage has no IPC handle (an empty storage cannot be shared)")
+    return pb.CudaIpcHandle(
+        device=int(device),
+        handle=_as_bytes(handle),
+        storage_size=int(size),
+        storage_offset=int(offset),
+        ref_counter_handle=_as_bytes(ref_counter),
+        ref_counter_offset=int(ref_counter_offset),
+        event_handle=_as_bytes(event),
+        event_sync_required=bool(event_sync),
+    )
+
+
+def describe_region(
+    tensor: torch.Tensor, groups: Sequence[int], *, cuda_handles: dict[tuple[int, int], pb.CudaIpcHandle] | None = None
+) -> pb.MemoryRegion:
+    """One MemoryRegion for a KV-cache tensor: its handle, mapping size, block geometry and groups.
+
+    `cuda_handles` memoizes CUDA IPC handles by (device, storage address) across the regions of one registration.
+    """
+    if not groups or any(not isinstance(g, int) or g < 0 for g in groups):
+        raise InvalidRequest(f"a region needs one or more group indices >= 0, got {groups!r}")
+    geometry = region_geometry(tensor)
+    device = tensor.device.type
+    region = pb.MemoryRegion(
+        offset=geometry.offset,
+        block_stride=geometry.block_stride,
+        block_bytes=geometry.block_bytes,
+        num_blocks=geometry.num_blocks,
+        groups=list(groups),
+    )
+    if device == "cpu":
+        segment = segment_of(tensor)
+        if segment is None:
+            raise InvalidRequest(
+                "a CPU KV-cache tensor must live in shared memory the daemon can open: allocate it with "
+                "kvsidecar_client.shared_tensor(shape, dtype)"
+            )
+        region.shm.name = segment.name
+        region.mapping_bytes = segment.size
+    elif device == "cuda":
+        # The handle names the caching allocator's whole block; storage_offset says where this storage starts in
+        # it, and the region's offset counts from there.
+        storage = tensor.untyped_storage()
+        key = (tensor.device.index or 0, storage.data_ptr())
+        handle = None if cuda_handles is None else cuda_handles.get(key)
+        if handle is None:
+            # Every _share_cuda_() call takes a new slot in torch's IPC reference counter, which only the daemon
+            # releases, and the daemon maps views of one storage once: so share each storage once per registration.
+            handle = cuda_ipc_handle(storage._share_cuda_())  # type: ignore[no-untyped-call]
+            if cuda_handles is not None:
+                cuda_handles[key] = handle
+        region.cuda.CopyFrom(handle)
+        region.mapping_bytes = region.cuda.storage_size
+    else:
+        raise InvalidRequest(f"KV-cache tensors must be on cpu or cuda, got {tensor.device}")
+    end = geometry.offset + (geometry.num_blocks - 1) * geometry.block_stride + geometry.block_bytes
+    if end > region.mapping_bytes:
+        raise InvalidRequest(f"the tensor's blocks end at byte {end}, past its {region.mapping_bytes}-byte mapping")
+    return region
+
+
+def describe_regions(memory: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> list[pb.MemoryRegion]:
+    """The regions of one registration, in order; views of one CUDA storage share one IPC handle."""
+    cuda_handles: dict[tuple[int, int], pb.CudaIpcHandle] = {}
+    return [describe_region(tensor, groups, cuda_handles=cuda_handles) for tensor, groups in memory]

@@ -1,0 +1,127 @@
+"""Value types the client returns, built from the daemon's response messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from kvsidecar_client.proto import sidecar_pb2 as pb
+
+__all__ = ["FailedBlock", "GroupPlacement", "Hit", "LoadResult", "Registration", "SaveResult", "SessionInfo"]
+
+
+class FailedBlock(NamedTuple):
+    """One block a save or load could not move, with the store's reason (e.g. "not_found", "no_space")."""
+
+    group: int
+    block_id: int
+    reason: str
+
+
+def _failures(items: Iterable[pb.FailedBlock]) -> tuple[FailedBlock, ...]:
+    return tuple(FailedBlock(f.group, f.block_id, f.reason) for f in items)
+
+
+class SaveResult(NamedTuple):
+    """What one save did: values written, already stored, failed, and left to other ranks of the replication set."""
+
+    written: int
+    skipped: int
+    failed: int
+    striped_to_others: int
+    bytes_written: int
+    failures: tuple[FailedBlock, ...] = ()
+
+    @classmethod
+    def from_proto(cls, message: pb.SaveResponse) -> SaveResult:
+        """From the daemon's SaveResponse."""
+        return cls(
+            message.written,
+            message.skipped,
+            message.failed,
+            message.striped_to_others,
+            message.bytes_written,
+            _failures(message.failures),
+        )
+
+
+class Hit(NamedTuple):
+    """A lookup's answer: the prefix every group can serve, and the boundary each group's last block is stored under.
+
+    `degraded` means the store (or the daemon) could not be asked: the answer is a miss, not a verdict. Pass the
+    whole Hit to `load` unchanged.
+    """
+
+    hit_tokens: int
+    tail_boundaries: tuple[int, ...]
+    degraded: bool = False
+    detail: str = ""
+
+    @classmethod
+    def from_proto(cls, message: pb.LookupResponse) -> Hit:
+        """From the daemon's LookupResponse."""
+        return cls(message.hit_tokens, tuple(message.tail_boundaries), message.degraded, message.detail)
+
+    @classmethod
+    def miss(cls, num_groups: int, detail: str) -> Hit:
+        """A degraded miss made by the client when the daemon cannot be asked."""
+        return cls(0, (0,) * num_groups, True, detail)
+
+
+class LoadResult(NamedTuple):
+    """What one load did, naming every block that failed (the engine recomputes exactly those)."""
+
+    loaded: int
+    bytes_loaded: int
+    failures: tuple[FailedBlock, ...] = ()
+
+    @property
+    def failed_block_ids(self) -> set[int]:
+        """The failed blocks' ids (engines that allocate all groups from one block pool keep them unique)."""
+        return {f.block_id for f in self.failures}
+
+    @classmethod
+    def from_proto(cls, message: pb.LoadResponse) -> LoadResult:
+        """From the daemon's LoadResponse."""
+        return cls(message.loaded, message.bytes_loaded, _failures(message.failures))
+
+
+class Registration(NamedTuple):
+    """The daemon's view of registered memory: bytes mapped, and bytes of one stored value per group."""
+
+    mapped_bytes: int
+    value_bytes: tuple[int, ...]
+
+    @classmethod
+    def from_proto(cls, message: pb.RegisterMemoryResponse) -> Registration:
+        """From the daemon's RegisterMemoryResponse."""
+        return cls(message.mapped_bytes, tuple(message.value_bytes))
+
+
+class GroupPlacement(NamedTuple):
+    """How the daemon places one group for this rank (PLACEMENT.md rules 1, 2, 6, 7)."""
+
+    replication_factor: int
+    shard_id: int
+    keys_per_boundary: int
+    span_tokens: int
+
+
+class SessionInfo(NamedTuple):
+    """What OpenSession told this client: lease, hit alignment, per-group placement, daemon version."""
+
+    lease_ms: int
+    hit_alignment_tokens: int
+    fine_grained_hits: bool
+    groups: tuple[GroupPlacement, ...]
+    daemon_version: str
+
+    @classmethod
+    def from_proto(cls, message: pb.OpenSessionResponse) -> SessionInfo:
+        """From the daemon's OpenSessionResponse."""
+        groups = tuple(
+            GroupPlacement(g.replication_factor, g.shard_id, g.keys_per_boundary, g.span_tokens) for g in message.groups
+        )
+        return cls(
+            message.lease_ms, message.hit_alignment_tokens, message.fine_grained_hits, groups, message.daemon_version
+        )

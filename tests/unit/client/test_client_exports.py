@@ -1,0 +1,53 @@
+"""The public names of kvsidecar_client, pinned so a rename or a leak is a visible change."""
+
+import kvsidecar_client
+
+PUBLIC = [
+    "ClientClosed",
+    "DaemonError",
+    "DaemonUnavailable",
+    "DeadlineExceeded",
+    "Deadlines",
+    "EngineLayout",
+    "FailedBlock",
+    "GroupPlacement",
+    "GroupSpec",
+    "Hit",
+    "InvalidRequest",
+    "LoadResult",
+    "PermissionDenied",
+    "PreconditionFailed",
+    "Registration",
+    "ResourceExhausted",
+    "SaveJob",
+    "SaveResult",
+    "SessionInfo",
+    "SessionLost",
+    "SessionSpec",
+    "SidecarClient",
+    "SidecarError",
+    "Unsupported",
+    "shared_tensor",
+]
+
+
+def test_all_is_pinned_and_sorted():
+    assert kvsidecar_client.__all__ == PUBLIC
+    assert sorted(kvsidecar_client.__all__) == kvsidecar_client.__all__
+
+
+def test_every_public_name_is_exported_and_defined_in_the_package():
+    public = {name for name in dir(kvsidecar_client) if not name.startswith("_")}
+    modules = {"client", "deadlines", "errors", "jobs", "layout", "memory", "proto", "results", "session"}
+    assert public - modules == set(PUBLIC)
+    for name in PUBLIC:
+        assert getattr(kvsidecar_client, name).__module__.startswith("kvsidecar_client."), name
+
+
+def test_errors_form_one_hierarchy():
+    for name in PUBLIC:
+        member = getattr(kvsidecar_client, name)
+        if isinstance(member, type) and issubclass(member, Exception):
+            assert issubclass(member, kvsidecar_client.SidecarError), name
+    assert issubclass(kvsidecar_client.InvalidRequest, ValueError)
+    assert issubclass(kvsidecar_client.DeadlineExceeded, kvsidecar_client.DaemonUnavailable)

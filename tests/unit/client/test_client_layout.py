@@ -1,0 +1,132 @@
+"""Engine layout, groups and session spec: validation of obvious mistakes, and the exact proto messages."""
+
+import pytest
+
+from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest, SessionSpec
+from kvsidecar_client.proto import sidecar_pb2 as pb
+
+GROUPS = (
+    GroupSpec("mla", block_size=16),
+    GroupSpec("mamba", block_size=64),
+    GroupSpec("sliding_window", block_size=16, window=128),
+    GroupSpec("uniform", block_size=16, inner=("mla", "full_attention")),
+)
+
+
+def spec(**overrides):
+    fields = dict(
+        model="org/Model",
+        layout=EngineLayout(tp_size=2, tp_rank=1),
+        num_kv_heads=1,
+        hash_block_size=16,
+        groups=GROUPS,
+    )
+    fields.update(overrides)
+    return SessionSpec(**fields)
+
+
+def test_layout_to_proto():
+    layout = EngineLayout(tp_size=8, tp_rank=5, pp_size=2, pp_rank=1, pcp_size=2, pcp_rank=0, dcp_size=4)
+    assert layout.to_proto() == pb.ParallelLayout(
+        tp_size=8, tp_rank=5, pp_size=2, pp_rank=1, pcp_size=2, pcp_rank=0, dcp_size=4
+    )
+    assert EngineLayout().to_proto() == pb.ParallelLayout(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        (dict(tp_size=0), "tp_size must be in"),
+        (dict(tp_size=2, tp_rank=2), "tp_rank must be in [0, 2)"),
+        (dict(tp_rank=-1), "tp_rank must be in"),
+        (dict(pp_size=2, pp_rank=3), "pp_rank must be in [0, 2)"),
+        (dict(pcp_size=0), "pcp_size"),
+        (dict(tp_size=4, dcp_size=3), "dcp_size 3 must divide tp_size 4"),
+        (dict(dcp_size=0), "dcp_size"),
+        (dict(tp_size=True), "tp_size must be an int"),
+        (dict(tp_size=2.0), "tp_size must be an int"),
+    ],
+)
+def test_layout_refuses(fields, reason):
+    with pytest.raises(InvalidRequest, match=reason.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        EngineLayout(**fields)
+
+
+def test_groups_to_proto():
+    assert [g.to_proto() for g in GROUPS] == [
+        pb.KVCacheGroup(kind=pb.MLA, block_size=16),
+        pb.KVCacheGroup(kind=pb.MAMBA, block_size=64),
+        pb.KVCacheGroup(kind=pb.SLIDING_WINDOW, block_size=16, window=128),
+        pb.KVCacheGroup(kind=pb.UNIFORM, block_size=16, inner=[pb.MLA, pb.FULL_ATTENTION]),
+    ]
+    swa = GroupSpec("uniform", block_size=32, window=4096, inner=["sliding_window_mla", "mamba"])
+    assert swa.inner == ("sliding_window_mla", "mamba")
+    assert swa.to_proto() == pb.KVCacheGroup(
+        kind=pb.UNIFORM, block_size=32, window=4096, inner=[pb.SLIDING_WINDOW_MLA, pb.MAMBA]
+    )
+    assert GroupSpec("full_attention", 16).to_proto() == pb.KVCacheGroup(kind=pb.FULL_ATTENTION, block_size=16)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "reason"),
+    [
+        (("gqa", 16), {}, "unknown group kind 'gqa'"),
+        (("mla", 0), {}, "block_size must be in"),
+        (("sliding_window", 16), {}, "needs window >= 1"),
+        (("sliding_window_mla", 16), {}, "needs window >= 1"),
+        (("mla", 16), {"window": 128}, "window is only for sliding-window kinds"),
+        (("uniform", 16), {}, "needs at least one member"),
+        (("uniform", 16), {"inner": ("mla", "uniform")}, "nest one level only"),
+        (("uniform", 16), {"inner": ("mla", "lstm")}, "unknown member kind 'lstm'"),
+        (("uniform", 16), {"inner": ("sliding_window",)}, "needs window >= 1"),
+        (("mla", 16), {"inner": ("mla",)}, "only uniform groups have members"),
+        (("mamba", -16), {}, "block_size must be in"),
+    ],
+)
+def test_group_refuses(args, kwargs, reason):
+    with pytest.raises(InvalidRequest, match=reason):
+        GroupSpec(*args, **kwargs)
+
+
+def test_session_to_proto():
+    request = spec(cache_prefix="tenant-a", hash_bytes=16, client_name="host pid=1").to_proto()
+    assert request == pb.OpenSessionRequest(
+        engine=pb.EngineIdentity(model="org/Model", cache_prefix="tenant-a"),
+        parallel=pb.ParallelLayout(tp_size=2, tp_rank=1, pp_size=1, pcp_size=1, dcp_size=1),
+        num_kv_heads=1,
+        hash_block_size=16,
+        groups=[g.to_proto() for g in GROUPS],
+        hash_bytes=16,
+        role=pb.ROLE_RANK,
+        client_name="host pid=1",
+    )
+    assert spec(role="scheduler").to_proto().role == pb.ROLE_SCHEDULER
+    assert spec(role="scheduler").is_scheduler
+    assert spec(groups=list(GROUPS)).groups == GROUPS
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (dict(model="///"), "no last path component"),
+        (dict(model=""), "no last path component"),
+        (dict(model="org/a@b"), "must not contain '@'"),
+        (dict(cache_prefix="x@y"), "cache_prefix must not contain '@'"),
+        (dict(role="worker"), "role must be one of"),
+        (dict(num_kv_heads=0), "num_kv_heads"),
+        (dict(hash_block_size=0), "hash_block_size"),
+        (dict(hash_bytes=0), "hash_bytes"),
+        (dict(groups=()), "at least one KV-cache group"),
+        (dict(groups=(GroupSpec("mla", 16),) * 65), "at most 64"),
+        (dict(hash_block_size=32), "group 0 \\(mla\\): block_size 16 is not a multiple of hash_block_size 32"),
+        (dict(groups=("mla",)), "group 0 must be a GroupSpec"),
+        (dict(layout=(2, 0)), "layout must be an EngineLayout"),
+    ],
+)
+def test_session_refuses(overrides, reason):
+    with pytest.raises(InvalidRequest, match=reason):
+        spec(**overrides)
+
+
+def test_model_key_is_the_last_path_component():
+    assert spec(model="org@x/Model").model == "org@x/Model"  # only the key's part must be free of '@'

@@ -1,0 +1,251 @@
+"""Shared-memory tensors and the MemoryRegion description of tensors and their views."""
+
+import gc
+import mmap
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvsidecar_client import InvalidRequest, shared_tensor
+from kvsidecar_client.memory import (
+    SHM_DIR,
+    cuda_ipc_handle,
+    describe_region,
+    describe_regions,
+    region_geometry,
+    segment_of,
+)
+from kvsidecar_client.proto import sidecar_pb2 as pb
+
+
+def read_segment(name, size):
+    """The segment's bytes as another process sees them: opened by path, like the daemon does."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
+            return bytes(view)
+    finally:
+        os.close(fd)
+
+
+def test_shared_tensor_is_zeroed_named_private_and_visible_by_path():
+    kv = shared_tensor((4, 16, 576), torch.bfloat16)
+    segment = segment_of(kv)
+    assert kv.shape == (4, 16, 576) and kv.dtype == torch.bfloat16 and kv.device.type == "cpu"
+    assert kv.is_contiguous()
+    assert re.fullmatch(rf"kvsidecar-{os.getpid()}-\d+-[0-9a-f]{{16}}", segment.name)
+    assert segment.size == 4 * 16 * 576 * 2
+    stat = os.stat(os.path.join(SHM_DIR, segment.name))
+    assert stat.st_size == segment.size
+    assert stat.st_mode & 0o777 == 0o600
+    assert read_segment(segment.name, segment.size) == bytes(segment.size)
+    assert not kv.any()
+
+    kv[2, 3].fill_(1.5)
+    expected = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    expected[2, 3] = 1.5
+    assert read_segment(segment.name, segment.size) == bytes(expected.view(torch.uint8).flatten().tolist())
+
+
+def test_writes_through_the_path_show_in_the_tensor():
+    kv = shared_tensor(8, torch.int32)
+    segment = segment_of(kv)
+    fd = os.open(os.path.join(SHM_DIR, segment.name), os.O_RDWR)
+    try:
+        with mmap.mmap(fd, segment.size) as view:
+            view[4:8] = (123456).to_bytes(4, "little")
+    finally:
+        os.close(fd)
+    assert kv.tolist() == [0, 123456, 0, 0, 0, 0, 0, 0]
+
+
+def test_names_are_unique():
+    a, b = shared_tensor(4, torch.uint8), shared_tensor(4, torch.uint8)
+    assert segment_of(a).name != segment_of(b).name
+
+
+def test_segment_lives_as_long_as_any_view_and_is_unlinked_after():
+    kv = shared_tensor((2, 3, 4), torch.float16)
+    name = segment_of(kv).name
+    path = os.path.join(SHM_DIR, name)
+    view = kv[1]
+    assert segment_of(view).name == name
+    del kv
+    gc.collect()
+    assert os.path.exists(path)
+    view.fill_(2.0)  # still mapped
+    del view
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_exit_unlinks_and_a_forked_child_does_not(tmp_path):
+    # A real process: the creator's exit removes its segments; a child it forked exits without touching them.
+    script = textwrap.dedent(
+        """
+        import os, sys, torch
+        from kvsidecar_client import shared_tensor
+        from kvsidecar_client.memory import segment_of
+        kv = shared_tensor((2, 8), torch.float32)
+        name = segment_of(kv).name
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # runs atexit handlers in the child
+        os.waitpid(pid, 0)
+        print(name, os.path.exists("/dev/shm/" + name), flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    name, alive_after_child = done.stdout.split()
+    assert alive_after_child == "True"
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    assert "leaked" not in done.stderr  # unlinked by us, not by the resource tracker
+
+
+@pytest.mark.parametrize("shape", [(), (0, 4), (2, -1)])
+def test_shared_tensor_refuses_empty_shapes(shape):
+    with pytest.raises(InvalidRequest, match="positive sizes"):
+        shared_tensor(shape, torch.float32)
+
+
+def region(**fields):
+    return pb.MemoryRegion(**fields)
+
+
+def test_region_of_a_whole_tensor():
+    kv = shared_tensor((10, 16, 576), torch.bfloat16)
+    name = segment_of(kv).name
+    assert describe_region(kv, [0, 3]) == region(
+        shm=pb.SharedMemoryHandle(name=name),
+        mapping_bytes=10 * 16 * 576 * 2,
+        offset=0,
+        block_stride=16 * 576 * 2,
+        block_bytes=16 * 576 * 2,
+        num_blocks=10,
+        groups=[0, 3],
+    )
+
+
+def test_vllm_key_and_value_views_are_two_regions_of_one_segment():
+    # vLLM's FlashAttention layout: (2, num_blocks, block_size, heads, head_dim); K is [0], V is [1].
+    kv = shared_tensor((2, 7, 16, 4, 64), torch.float16)
+    name = segment_of(kv).name
+    block = 16 * 4 * 64 * 2
+    for index in (0, 1):
+        assert describe_region(kv[index], (1,)) == region(
+            shm=pb.SharedMemoryHandle(name=name),
+            mapping_bytes=2 * 7 * block,
+            offset=index * 7 * block,
+            block_stride=block,
+            block_bytes=block,
+            num_blocks=7,
+            groups=[1],
+        )
+
+
+def test_blocks_first_layout_with_key_and_value_inside_each_block():
+    # (num_blocks, 2, block_size, heads, head_dim): one region, both halves in each block's slice.
+    kv = shared_tensor((5, 2, 16, 2, 32), torch.bfloat16)
+    assert region_geometry(kv) == (0, 2 * 16 * 2 * 32 * 2, 2 * 16 * 2 * 32 * 2, 5)
+    # Only the keys: a strided view whose blocks are 2 KiB apart but 1 KiB long.
+    keys = kv[:, 0]
+    assert region_geometry(keys) == (0, 4096, 2048, 5)
+    values = kv[:, 1]
+    assert region_geometry(values) == (2048, 4096, 2048, 5)
+
+
+def test_a_slice_of_blocks_starts_at_its_first_block():
+    kv = shared_tensor((10, 8), torch.float32)
+    assert region_geometry(kv[3:6]) == (3 * 32, 32, 32, 3)
+    assert region_geometry(kv[::2]) == (0, 64, 32, 5)
+
+
+def test_a_one_dimensional_tensor_has_one_element_per_block():
+    state = shared_tensor(6, torch.float64)
+    assert region_geometry(state) == (0, 8, 8, 6)
+
+
+def test_a_single_block_view_has_a_usable_stride():
+    kv = shared_tensor((4, 8), torch.float32)
+    assert region_geometry(kv[2:3]) == (64, 32, 32, 1)
+
+
+def test_a_permuted_block_is_refused_with_the_reason():
+    kv = shared_tensor((4, 16, 2, 8), torch.float16)
+    with pytest.raises(InvalidRequest, match="not contiguous"):
+        describe_region(kv.transpose(1, 2), [0])
+
+
+def test_overlapping_blocks_are_refused():
+    kv = shared_tensor((1, 8), torch.float32)
+    with pytest.raises(InvalidRequest, match="blocks overlap"):
+        region_geometry(kv.expand(4, 8))
+
+
+def test_a_cpu_tensor_outside_shared_memory_is_refused():
+    with pytest.raises(InvalidRequest, match="shared_tensor"):
+        describe_region(torch.zeros(4, 8), [0])
+    kv = shared_tensor((4, 8), torch.float32)
+    with pytest.raises(InvalidRequest, match="shared_tensor"):
+        describe_region(kv.clone(), [0])
+
+
+@pytest.mark.parametrize("groups", [[], [-1], ["0"]])
+def test_regions_need_groups(groups):
+    kv = shared_tensor((4, 8), torch.float32)
+    with pytest.raises(InvalidRequest, match="group indices"):
+        describe_region(kv, groups)
+
+
+def test_a_scalar_is_refused():
+    with pytest.raises(InvalidRequest, match="at least one dimension"):
+        region_geometry(shared_tensor(1, torch.float32)[0])
+
+
+def test_other_devices_are_refused():
+    with pytest.raises(InvalidRequest, match="cpu or cuda"):
+        describe_region(torch.empty(4, 8, device="meta"), [0])
+
+
+# What UntypedStorage._share_cuda_() returns (torch.multiprocessing.reductions): device, allocation handle, storage
+# size, storage offset in the allocation, ref-counter file and offset, event handle (None when not needed), flag.
+SHARE = (1, b"\x01" * 64, 1 << 30, 4096, b"/torch_123_456_0", 17, b"\x02" * 64, True)
+
+
+def test_cuda_ipc_handle_from_the_share_tuple():
+    assert cuda_ipc_handle(SHARE) == pb.CudaIpcHandle(
+        device=1,
+        handle=b"\x01" * 64,
+        storage_size=1 << 30,
+        storage_offset=4096,
+        ref_counter_handle=b"/torch_123_456_0",
+        ref_counter_offset=17,
+        event_handle=b"\x02" * 64,
+        event_sync_required=True,
+    )
+
+
+def test_cuda_ipc_handle_without_an_event():
+    handle = cuda_ipc_handle((0, b"\x03" * 64, 2048, 0, "/torch_9_9_0", 0, None, False))
+    assert handle.event_handle == b""
+    assert not handle.event_sync_required
+    assert handle.ref_counter_handle == b"/torch_9_9_0"
+
+
+def test_cuda_ipc_handle_refuses_bad_tuples():
+    with pytest.raises(InvalidRequest, match="8 fields"):
+        cuda_ipc_handle(SHARE[:7])
+    with pytest.raises(InvalidRequest, match="no IPC handle"):
+        cuda_ipc_handle((0, None, 0, 0, b"", 0, None, False))
+
+
+def test_describe_regions_keeps_registration_order():
+    kv = shared_tensor((2, 6, 16, 8), torch.float16)
+    state = shared_tensor((6, 32), torch.float32)
+    memory = [(kv[0], (0,)), (kv[1], (0,)), (state, (1,))]
+    assert describe_regions(memory) == [describe_region(t, g) for t, g in memory]
