@@ -60,11 +60,77 @@ def _add_layout(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=_layout)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvloop
+
+    from kvsidecar.config import ConfigError, from_args
+    from kvsidecar.server import DaemonError, serve
+    from kvsidecar.store import StoreError
+
+    try:
+        config = from_args(args)
+    except ConfigError as exc:
+        print(f"kvsidecar serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        uvloop.run(serve(config))
+    except (DaemonError, StoreError) as exc:
+        logging.getLogger("kvsidecar").error("cannot start: %s", exc)
+        return 1
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvsidecar.config import add_flags
+
+    p = sub.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the node daemon. With no flags it starts an embedded Mooncake master on loopback, "
+        "contributes a 1 GiB segment over TCP with P2PHANDSHAKE metadata, listens on a Unix socket and serves "
+        "Prometheus metrics on loopback. Flags override the --config file, which overrides the defaults.",
+    )
+    add_flags(p)
+    p.set_defaults(func=_serve)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvsidecar.status import run
+
+    target = args.address or f"unix://{args.socket}"
+    return run(target, timeout=args.timeout, as_json=args.json, quiet=args.quiet, live_only=args.live)
+
+
+def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvsidecar.config import default_socket_path
+
+    p = sub.add_parser(
+        "status",
+        help="ask a running daemon how it is",
+        description="Health, sessions, store health and counters of a running daemon. Exit 0: healthy; "
+        "1: the daemon answers but its store does not; 2: no daemon answers.",
+    )
+    p.add_argument("--socket", default=default_socket_path(), help="the daemon's Unix socket (default: %(default)s)")
+    p.add_argument("--address", default="", help="a gRPC target instead of the socket, e.g. 127.0.0.1:50070")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for answers (default 3)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--quiet", action="store_true", help="print nothing; only the exit code")
+    p.add_argument("--live", action="store_true", help="healthy when the daemon answers, even if its store does not")
+    p.set_defaults(func=_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
     parser = argparse.ArgumentParser(prog="kvsidecar", description="Node-local KV-cache store daemon.")
     parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_status(sub)
     _add_layout(sub)
     return parser
 

@@ -9,13 +9,14 @@ VENV=${VENV:-.venv}
 FLAVOUR=${FLAVOUR:-cpu}
 PY=${PYTHON:-python3}
 
-# Mooncake's native libraries need libibverbs even for TCP. With root, take the Debian package; without,
-# unpack the .debs into the venv, where kvsidecar finds them (kvsidecar/store/native.py).
-need_ibverbs() { ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; }
-if need_ibverbs; then
+# Mooncake's native libraries need libibverbs (even for TCP), libnuma and libcurl. With root, take the Debian
+# packages; without, unpack libibverbs into the venv, where kvsidecar finds it (kvsidecar/store/native.py).
+has_lib() { ldconfig -p 2>/dev/null | grep -q "$1 "; }
+need_ibverbs() { ! has_lib libibverbs.so.1; }
+if need_ibverbs || ! has_lib libnuma.so.1 || ! has_lib libcurl.so.4; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get install -y --no-install-recommends libibverbs1 >/dev/null 2>&1 \
-      || { apt-get update >/dev/null && apt-get install -y --no-install-recommends libibverbs1 >/dev/null; }
+    apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 >/dev/null 2>&1 \
+      || { apt-get update >/dev/null && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 >/dev/null; }
   fi
 fi
 

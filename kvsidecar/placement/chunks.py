@@ -53,8 +53,7 @@ def save_plan(
         raise InvalidRequest(f"saved_tokens {saved_tokens} must be in [0, num_tokens={num_tokens}]")
     if len(block_hashes) < num_tokens // u:
         raise InvalidRequest(
-            f"{num_tokens} tokens need {num_tokens // u} block hashes (one per {u} tokens), "
-            f"got {len(block_hashes)}"
+            f"{num_tokens} tokens need {num_tokens // u} block hashes (one per {u} tokens), got {len(block_hashes)}"
         )
     rank = geo.layout.parallel.tp_rank
     chunks: list[Chunk] = []
@@ -146,6 +145,5 @@ def _check_groups(geo: Geometry, block_ids: Sequence[Sequence[int]]) -> None:
 def _check_index(group: GroupGeometry, ids: Sequence[int], index: int) -> None:
     if index >= len(ids):
         raise InvalidRequest(
-            f"group {group.index} ({group.spec.describe()}) needs a block id for span {index}, "
-            f"got {len(ids)} block ids"
+            f"group {group.index} ({group.spec.describe()}) needs a block id for span {index}, got {len(ids)} block ids"
         )

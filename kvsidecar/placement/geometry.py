@@ -74,9 +74,7 @@ class Geometry:
                 layout.model_key, layout.cache_prefix, shard, par.pcp_rank, par.dcp_rank, par.pp_rank, g
             )
             groups.append(GroupGeometry(g, spec, f, span(spec, par.dcp_size), shard, own, lookup))
-        fine = any(
-            gg.spec.recurrent and (gg.span > u or (par.dcp_size > 1 and gg.span >= u)) for gg in groups
-        )
+        fine = any(gg.spec.recurrent and (gg.span > u or (par.dcp_size > 1 and gg.span >= u)) for gg in groups)
         unit = u if fine else math.lcm(*(gg.span for gg in groups))
         return cls(layout, tuple(groups), fine, unit)
 

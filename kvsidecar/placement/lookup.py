@@ -67,9 +67,7 @@ def lookup_plan(geo: Geometry, block_hashes: Sequence[bytes], num_tokens: int) -
     return LookupPlan(keys, tuple(segments), n)
 
 
-def compute_hit(
-    geo: Geometry, num_tokens: int, stored: Sequence[Sequence[bool]], *, eagle: bool = False
-) -> Hit:
+def compute_hit(geo: Geometry, num_tokens: int, stored: Sequence[Sequence[bool]], *, eagle: bool = False) -> Hit:
     """Rule 9's fixed point over every group, then rule 10's tail boundaries.
 
     stored[g][i] says whether the boundary (i + 1) * U of group g exists in every namespace.

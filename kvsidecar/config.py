@@ -1,0 +1,184 @@
+"""The daemon's configuration: one object, built from CLI flags and one optional TOML file."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9469"
+DEFAULT_SEGMENT_BYTES = 1 * GiB
+DEFAULT_LOCAL_BUFFER_BYTES = 64 * MiB
+DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
+DEFAULT_SESSION_TTL_S = 10.0
+
+
+class ConfigError(ValueError):
+    """A flag or config-file value that cannot be used."""
+
+
+def default_socket_path(env: dict[str, str] | None = None) -> str:
+    """$XDG_RUNTIME_DIR/kvsidecar/kvsidecar.sock, else /tmp/kvsidecar-<uid>/kvsidecar.sock (serve and status agree)."""
+    env = dict(os.environ) if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "kvsidecar" if runtime else Path("/tmp") / f"kvsidecar-{os.getuid()}"
+    return str(base / "kvsidecar.sock")
+
+
+def parse_size(text: str | int) -> int:
+    """'1GiB', '512MiB', '64M', '4096' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (examples: 1GiB, 512MiB, 4096)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"not a host:port address: {text!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `kvsidecar serve` can be told."""
+
+    socket: str = field(default_factory=default_socket_path)
+    socket_mode: int = 0o660
+    socket_group: str = ""
+    listen: str = ""  # optional TCP listener host:port
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
+    master: str = ""  # empty: start an embedded mooncake_master on loopback
+    master_binary: str = ""
+    master_lease_ttl_ms: int = 10_000
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    segment_size: int = DEFAULT_SEGMENT_BYTES
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_BYTES
+    replicas: int = 1
+    session_ttl: float = DEFAULT_SESSION_TTL_S
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    workers: int = 4
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"protocol must be tcp or rdma, got {self.protocol!r}")
+        if self.segment_size and self.segment_size < 16 * MiB:
+            raise ConfigError(f"segment-size must be 0 or >= 16MiB (Mooncake's minimum), got {self.segment_size}")
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.session_ttl <= 0:
+            raise ConfigError(f"session-ttl must be > 0 seconds, got {self.session_ttl}")
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(f"socket-mode must be an octal permission like 0660, got {oct(self.socket_mode)}")
+        for name in ("listen", "metrics_address", "master"):
+            value = getattr(self, name)
+            if value:
+                parse_address(value)
+        if not self.socket:
+            raise ConfigError("socket path must not be empty")
+
+
+# (flag, type, help); each field of Config has exactly one flag.
+_FLAGS: list[tuple[str, Any, str]] = [
+    ("socket", str, "Unix socket the gRPC service listens on (default: %(default)s)"),
+    ("socket_mode", lambda s: int(s, 8), "permissions of the socket file, octal (default 0660)"),
+    ("socket_group", str, "group that owns the socket file (default: the daemon's)"),
+    ("listen", str, "also listen on TCP host:port (default: off)"),
+    ("metrics_address", str, "host:port of the Prometheus /metrics endpoint (default: %(default)s)"),
+    ("master", str, "host:port of an existing mooncake_master (default: start one on loopback)"),
+    ("master_binary", str, "path of mooncake_master for the embedded master (default: next to python, or PATH)"),
+    ("master_lease_ttl_ms", int, "embedded master: how long a read protects a key from eviction (default 10000)"),
+    ("metadata_server", str, "Mooncake metadata service: P2PHANDSHAKE, http://host:port/metadata, etcd://..."),
+    ("local_hostname", str, "address this node's Mooncake client advertises (default: %(default)s)"),
+    ("protocol", str, "Mooncake transport: tcp or rdma (default: %(default)s)"),
+    ("rdma_devices", str, "comma-separated RDMA devices (default: Mooncake picks)"),
+    ("segment_size", parse_size, "memory this node contributes to the Mooncake pool, e.g. 1GiB (default 1GiB)"),
+    ("local_buffer_size", parse_size, "Mooncake client transfer buffer, e.g. 64MiB (default 64MiB)"),
+    ("replicas", int, "replicas of every stored block (default 1)"),
+    ("session_ttl", float, "seconds a session lives without a KeepAlive before its memory is released (default 10)"),
+    ("max_message_bytes", parse_size, "largest gRPC message accepted or sent (default 64MiB)"),
+    ("workers", int, "threads running store calls off the event loop (default 4)"),
+    ("log_level", str, "debug, info, warning or error (default info)"),
+]
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add `--config` and one flag per Config field; unset flags stay None so the file and defaults apply."""
+    parser.add_argument("--config", help="TOML file with the same keys as the flags (dashes or underscores)")
+    defaults = Config(socket=default_socket_path())
+    for name, kind, text in _FLAGS:
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=kind,
+            default=None,
+            help=text % {"default": getattr(defaults, name)},
+        )
+
+
+def from_args(args: argparse.Namespace) -> Config:
+    """Flags override the config file, which overrides the defaults."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_file(Path(args.config)))
+    for name, _, _ in _FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    return build(values)
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """Read a TOML config file into Config field values."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    known = {name: kind for name, kind, _ in _FLAGS}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown key {key!r}")
+        try:
+            out[name] = known[name](value) if isinstance(value, str) else value
+        except ValueError as exc:
+            raise ConfigError(f"config file {path}: bad value for {key!r}: {exc}") from None
+    return out
+
+
+def build(values: dict[str, Any]) -> Config:
+    """A Config from field values, with every field type checked."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = set(values) - fields
+    if unknown:
+        raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+    try:
+        return Config(**values)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,234 @@
+"""Save, lookup, load and reset: placement plans carried out against the store and engine memory.
+
+Synchronous by design: the service runs these in worker threads, off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from kvsidecar.memory import SessionMemory
+from kvsidecar.metrics import Metrics
+from kvsidecar.placement import Chunk, Hit, compute_hit, load_plan, lookup_plan, save_plan
+from kvsidecar.session import Session
+from kvsidecar.store import Presence, Store, StoreCode, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class Failure(NamedTuple):
+    """A block whose save or load failed, and the store's reason."""
+
+    group: int
+    block_id: int
+    reason: str
+
+
+class SaveOutcome(NamedTuple):
+    """What one save did."""
+
+    written: int
+    skipped: int
+    failures: tuple[Failure, ...]
+    striped_to_others: int
+    bytes_written: int
+
+
+class LookupOutcome(NamedTuple):
+    """A hit, or a miss because the store could not be asked."""
+
+    hit: Hit
+    degraded: bool
+    detail: str
+
+
+class LoadOutcome(NamedTuple):
+    """What one load did."""
+
+    loaded: int
+    bytes_loaded: int
+    failures: tuple[Failure, ...]
+
+
+class DataPath:
+    """Runs each request's plan with one batch call per step, and counts everything for operators."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+
+    def save(
+        self,
+        session: Session,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        saved: int,
+        deadline: float | None = None,
+    ) -> SaveOutcome:
+        """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
+
+        deadline (time.monotonic()) is the client's: past it the engine may reuse the blocks, so a put that has
+        not started is skipped, and values written after it are removed again rather than served as wrong bytes.
+        """
+        memory = session.require_memory()
+        plan = save_plan(session.geometry, hashes, block_ids, num_tokens, saved)
+        if not plan.chunks:
+            return SaveOutcome(0, 0, (), plan.others, 0)
+        with _holding(memory):
+            buffers = [memory.buffers(c.group, c.block_id) for c in plan.chunks]
+            keys = [c.key for c in plan.chunks]
+            try:
+                with self._timed("exists"):
+                    presence = self.store.exists(keys)
+            except StoreError as exc:
+                self.metrics.store_errors.labels("exists", exc.code.value).inc()
+                return self._save_failed(session, plan.chunks, exc.code, plan.others)
+            todo = [i for i, p in enumerate(presence) if p is not Presence.PRESENT]
+            if _past(deadline):
+                codes = [StoreCode.DEADLINE_EXCEEDED] * len(todo)
+            else:
+                try:
+                    with self._timed("put"):
+                        codes = self.store.put_from(
+                            [keys[i] for i in todo], [buffers[i][0] for i in todo], [buffers[i][1] for i in todo]
+                        )
+                except StoreError as exc:
+                    self.metrics.store_errors.labels("put", exc.code.value).inc()
+                    codes = [exc.code] * len(todo)
+                if _past(deadline):
+                    codes = self._revoke([keys[i] for i in todo], codes)
+        skipped = len(plan.chunks) - len(todo)
+        written = 0
+        bytes_written = 0
+        failures = []
+        kinds = _kinds(session)
+        for i, code in zip(todo, codes, strict=True):
+            chunk = plan.chunks[i]
+            if code in (StoreCode.OK, StoreCode.EXISTS):  # EXISTS: a concurrent save won the race; same bytes
+                written += 1
+                bytes_written += sum(buffers[i][1])
+                self.metrics.saved_blocks.labels(kinds[chunk.group]).inc()
+            else:
+                failures.append(Failure(chunk.group, chunk.block_id, code.value))
+                self.metrics.save_failed_blocks.labels(kinds[chunk.group], code.value).inc()
+        for i, p in enumerate(presence):
+            if p is Presence.PRESENT:
+                self.metrics.save_skipped_blocks.labels(kinds[plan.chunks[i].group]).inc()
+        self.metrics.saved_bytes.inc(bytes_written)
+        return SaveOutcome(written, skipped, tuple(failures), plan.others, bytes_written)
+
+    def lookup(self, session: Session, hashes: Sequence[bytes], num_tokens: int, eagle: bool) -> LookupOutcome:
+        """Probe every namespace in one batch; a store failure is a miss, never a guess."""
+        geo = session.geometry
+        plan = lookup_plan(geo, hashes, num_tokens)
+        self.metrics.lookup_tokens.inc(num_tokens)
+        if not plan.keys:
+            self.metrics.lookup_requests.labels("miss").inc()
+            return LookupOutcome(Hit(0, (0,) * len(geo.groups)), False, "")
+        try:
+            with self._timed("exists"):
+                presence = self.store.exists(plan.keys)
+        except StoreError as exc:
+            self.metrics.store_errors.labels("exists", exc.code.value).inc()
+            self.metrics.lookup_requests.labels("degraded").inc()
+            return LookupOutcome(Hit(0, (0,) * len(geo.groups)), True, f"store unavailable: {exc.reason}")
+        hit = compute_hit(geo, num_tokens, plan.stored([p is Presence.PRESENT for p in presence]), eagle=eagle)
+        self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
+        self.metrics.lookup_hit_tokens.inc(hit.tokens)
+        return LookupOutcome(hit, False, "")
+
+    def load(
+        self,
+        session: Session,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        hit_tokens: int,
+        tails: Sequence[int],
+        start_tokens: int,
+    ) -> LoadOutcome:
+        """Read the hit's chunks straight into engine memory with one batch get; name every block that failed."""
+        memory = session.require_memory()
+        chunks = load_plan(session.geometry, hashes, block_ids, hit_tokens, tails, start_tokens)
+        if not chunks:
+            return LoadOutcome(0, 0, ())
+        with _holding(memory):
+            buffers = [memory.buffers(c.group, c.block_id) for c in chunks]
+            try:
+                with self._timed("get"):
+                    codes = self.store.get_into(
+                        [c.key for c in chunks], [b[0] for b in buffers], [b[1] for b in buffers]
+                    )
+            except StoreError as exc:
+                self.metrics.store_errors.labels("get", exc.code.value).inc()
+                codes = [exc.code] * len(chunks)
+        kinds = _kinds(session)
+        loaded = 0
+        nbytes = 0
+        failures = []
+        for chunk, buf, code in zip(chunks, buffers, codes, strict=True):
+            if code is StoreCode.OK:
+                loaded += 1
+                nbytes += sum(buf[1])
+                self.metrics.loaded_blocks.labels(kinds[chunk.group]).inc()
+            else:
+                failures.append(Failure(chunk.group, chunk.block_id, code.value))
+                self.metrics.load_failed_blocks.labels(kinds[chunk.group], code.value).inc()
+        self.metrics.loaded_bytes.inc(nbytes)
+        return LoadOutcome(loaded, nbytes, tuple(failures))
+
+    def reset(self, session: Session) -> int:
+        """Remove every block of the session's model under its cache prefix, and nothing else."""
+        layout = session.layout
+        head = f"{layout.cache_prefix}@" if layout.cache_prefix else ""
+        # The '@tp_rank:' suffix keeps an unprefixed reset of model "m" off tenant "m"'s keys ("m@m@tp_rank:...").
+        with self._timed("remove"):
+            return self.store.remove_prefix(f"{head}{layout.model_key}@tp_rank:")
+
+    def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
+        """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""
+        written = [k for k, c in zip(keys, codes, strict=True) if c is StoreCode.OK]
+        if written:
+            try:
+                with self._timed("remove"):
+                    self.store.remove(written)
+            except StoreError as exc:
+                # Nothing more can be done from here; say so loudly, the values may be served.
+                self.metrics.store_errors.labels("remove", exc.code.value).inc()
+                log.error("could not remove %d values saved past their deadline: %s", len(written), exc)
+        return [StoreCode.DEADLINE_EXCEEDED] * len(codes)
+
+    def _save_failed(self, session: Session, chunks: Sequence[Chunk], code: StoreCode, others: int) -> SaveOutcome:
+        kinds = _kinds(session)
+        for c in chunks:
+            self.metrics.save_failed_blocks.labels(kinds[c.group], code.value).inc()
+        return SaveOutcome(0, 0, tuple(Failure(c.group, c.block_id, code.value) for c in chunks), others, 0)
+
+    @contextmanager
+    def _timed(self, operation: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.metrics.store_operation_seconds.labels(operation).observe(time.perf_counter() - start)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
+@contextmanager
+def _holding(memory: SessionMemory) -> Iterator[None]:
+    memory.acquire()
+    try:
+        yield
+    finally:
+        memory.release()
+
+
+def _kinds(session: Session) -> list[str]:
+    return [g.kind.value for g in session.layout.groups]

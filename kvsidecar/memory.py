@@ -1,0 +1,230 @@
+"""Engine memory the daemon maps: shared-memory and CUDA IPC mappings, strided regions, and every address.
+
+Nothing else in the daemon computes an address. A block id becomes an address only here, after a bounds check
+against the region it falls in, and a mapping is unmapped only when no store call is using it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvsidecar.errors import BadRequest
+
+SHM_DIR = "/dev/shm"
+MAX_REGIONS = 4096
+_SHM_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+
+
+class Mapping(Protocol):
+    """A piece of engine memory mapped into the daemon."""
+
+    address: int
+    size: int
+
+    def close(self) -> None:
+        """Unmap; the address is invalid afterwards."""
+
+
+class ShmMapping:
+    """A named POSIX shared-memory segment, mapped read-write and shared with the engine."""
+
+    def __init__(self, name: str, size: int, shm_dir: str = SHM_DIR) -> None:
+        if not _SHM_NAME.fullmatch(name.lstrip("/")) or name.lstrip("/") in (".", ".."):
+            raise BadRequest(f"shared-memory name {name!r} is not a plain segment name")
+        path = os.path.join(shm_dir, name.lstrip("/"))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BadRequest(f"cannot open shared memory {name!r}: {exc.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if size > actual:
+                raise BadRequest(f"shared memory {name!r} has {actual} bytes, region claims {size}")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._view = (ctypes.c_char * size).from_buffer(self._mm)
+        self.address = ctypes.addressof(self._view)
+        self.size = size
+        self.name = name
+
+    def close(self) -> None:
+        """Unmap the segment (the engine owns and unlinks it)."""
+        del self._view
+        self._mm.close()
+
+
+class CudaIpcMapping:
+    """A CUDA allocation of another process, opened through torch's IPC handles."""
+
+    def __init__(self, handle: Any, size: int) -> None:
+        try:
+            import torch
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        except ImportError as exc:  # pragma: no cover - torch is a dependency
+            raise BadRequest(f"CUDA IPC needs torch: {exc}") from None
+        if not torch.cuda.is_available():
+            raise BadRequest("CUDA IPC region on a daemon without a CUDA device")
+        if size > handle.storage_size:
+            raise BadRequest(f"CUDA storage has {handle.storage_size} bytes, region claims {size}")
+        try:
+            self._tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+                torch.Tensor,
+                (handle.storage_size,),
+                (1,),
+                0,
+                torch.UntypedStorage,
+                torch.uint8,
+                handle.device,
+                handle.handle,
+                handle.storage_size,
+                handle.storage_offset,
+                False,
+                handle.ref_counter_handle,
+                handle.ref_counter_offset,
+                handle.event_handle,
+                handle.event_sync_required,
+            )
+        except RuntimeError as exc:
+            raise BadRequest(f"cannot open CUDA IPC handle: {exc}") from None
+        self.address = int(self._tensor.data_ptr())
+        self.size = size
+
+    def close(self) -> None:
+        """Drop the reference; torch closes the IPC handle when the last one goes."""
+        del self._tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One strided view of a mapping: block b is [offset + b * stride, + block_bytes)."""
+
+    mapping: Mapping
+    offset: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+    groups: tuple[int, ...]
+
+    def address(self, block_id: int) -> int:
+        """The address of block_id's slice; the caller has checked block_id < num_blocks."""
+        return self.mapping.address + self.offset + block_id * self.stride
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    """A region as a request describes it, before mapping."""
+
+    handle_key: str  # identifies the mapping, so views of one segment share it
+    open_mapping: Callable[[int], Mapping]
+    mapping_bytes: int
+    offset: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+    groups: tuple[int, ...]
+
+
+class SessionMemory:
+    """All regions of one session, grouped per KV-cache group in registration order."""
+
+    def __init__(self, specs: Sequence[RegionSpec], num_groups: int) -> None:
+        if not specs:
+            raise BadRequest("RegisterMemory needs at least one region")
+        if len(specs) > MAX_REGIONS:
+            raise BadRequest(f"at most {MAX_REGIONS} regions per session, got {len(specs)}")
+        for i, spec in enumerate(specs):
+            _check_spec(i, spec, num_groups)
+        covered = {g for spec in specs for g in spec.groups}
+        missing = sorted(set(range(num_groups)) - covered)
+        if missing:
+            raise BadRequest(f"groups {missing} have no region: every group needs at least one")
+        self._lock = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+        # Views of one segment share its mapping, opened once at the largest size any of them needs.
+        sizes: dict[str, int] = {}
+        for spec in specs:
+            sizes[spec.handle_key] = max(sizes.get(spec.handle_key, 0), spec.mapping_bytes)
+        opener = {spec.handle_key: spec.open_mapping for spec in specs}
+        self.mappings: dict[str, Mapping] = {}
+        try:
+            for key, size in sizes.items():
+                self.mappings[key] = opener[key](size)
+        except BaseException:
+            for m in self.mappings.values():
+                m.close()
+            raise
+        self.groups: list[list[Region]] = [[] for _ in range(num_groups)]
+        for spec in specs:
+            region = Region(
+                self.mappings[spec.handle_key], spec.offset, spec.stride, spec.block_bytes, spec.num_blocks, spec.groups
+            )
+            for g in spec.groups:
+                self.groups[g].append(region)
+        self.value_bytes = [sum(r.block_bytes for r in regions) for regions in self.groups]
+        self.mapped_bytes = sum(m.size for m in self.mappings.values())
+
+    def buffers(self, group: int, block_id: int) -> tuple[list[int], list[int]]:
+        """Addresses and sizes of a block's slices in every region of its group (one stored value)."""
+        regions = self.groups[group]
+        for i, region in enumerate(regions):
+            if not 0 <= block_id < region.num_blocks:
+                raise BadRequest(
+                    f"group {group}: block id {block_id} is outside region {i} of the group "
+                    f"({region.num_blocks} blocks)"
+                )
+        return [r.address(block_id) for r in regions], [r.block_bytes for r in regions]
+
+    def acquire(self) -> None:
+        """Hold the mappings for a store call; raises once the session is closing."""
+        with self._lock:
+            if self._closed:
+                raise BadRequest("the session's memory is being released")
+            self._in_flight += 1
+
+    def release(self) -> None:
+        """End a store call started with acquire()."""
+        with self._lock:
+            self._in_flight -= 1
+            self._lock.notify_all()
+
+    def close(self, unregister: Callable[[int], None] | None = None) -> None:
+        """Unmap everything once in-flight store calls are done; later acquire() calls fail."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            # Unmapping under a running transfer would crash the daemon: wait for them (they are bounded).
+            self._lock.wait_for(lambda: self._in_flight == 0)
+        for m in self.mappings.values():
+            if unregister is not None:
+                unregister(m.address)
+            m.close()
+
+
+def _check_spec(i: int, spec: RegionSpec, num_groups: int) -> None:
+    where = f"region {i}"
+    if spec.num_blocks < 1:
+        raise BadRequest(f"{where}: num_blocks must be >= 1")
+    if spec.block_bytes < 1:
+        raise BadRequest(f"{where}: block_bytes must be >= 1")
+    if spec.num_blocks > 1 and spec.stride < spec.block_bytes:
+        raise BadRequest(f"{where}: block_stride {spec.stride} is smaller than block_bytes {spec.block_bytes}")
+    end = spec.offset + (spec.num_blocks - 1) * spec.stride + spec.block_bytes
+    if end > spec.mapping_bytes:
+        raise BadRequest(f"{where}: its last block ends at byte {end}, past the mapping's {spec.mapping_bytes} bytes")
+    if not spec.groups:
+        raise BadRequest(f"{where}: names no group")
+    bad = [g for g in spec.groups if not 0 <= g < num_groups]
+    if bad:
+        raise BadRequest(f"{where}: group index {bad[0]} out of range (session has {num_groups} groups)")
+    if len(set(spec.groups)) != len(spec.groups):
+        raise BadRequest(f"{where}: lists a group twice")

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the daemon, on a registry passed in (tests use their own)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Store calls are batch calls over loopback or RDMA: from ~0.1 ms (existence) to seconds (a big put under load).
+STORE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class Metrics:
+    """Every counter, gauge and histogram the daemon exports; names are part of the operator contract."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lookup_requests = Counter("kvsidecar_lookup_requests", "Prefix lookups answered.", ["outcome"], registry=r)
+        self.lookup_tokens = Counter("kvsidecar_lookup_tokens", "Prompt tokens asked about in lookups.", registry=r)
+        self.lookup_hit_tokens = Counter(
+            "kvsidecar_lookup_hit_tokens", "Tokens reported as hits by lookups.", registry=r
+        )
+        self.saved_blocks = Counter(
+            "kvsidecar_saved_blocks", "Blocks written to the store.", ["group_kind"], registry=r
+        )
+        self.save_skipped_blocks = Counter(
+            "kvsidecar_save_skipped_blocks",
+            "Blocks not written because the store already held them.",
+            ["group_kind"],
+            registry=r,
+        )
+        self.save_failed_blocks = Counter(
+            "kvsidecar_save_failed_blocks", "Blocks whose write failed.", ["group_kind", "reason"], registry=r
+        )
+        self.loaded_blocks = Counter(
+            "kvsidecar_loaded_blocks", "Blocks read from the store into engine memory.", ["group_kind"], registry=r
+        )
+        self.load_failed_blocks = Counter(
+            "kvsidecar_load_failed_blocks",
+            "Blocks whose read failed (the engine recomputes them).",
+            ["group_kind", "reason"],
+            registry=r,
+        )
+        self.saved_bytes = Counter("kvsidecar_saved_bytes", "Bytes written to the store.", registry=r)
+        self.loaded_bytes = Counter("kvsidecar_loaded_bytes", "Bytes read from the store.", registry=r)
+        self.store_operation_seconds = Histogram(
+            "kvsidecar_store_operation_seconds",
+            "Duration of one batch call to the store.",
+            ["operation"],
+            buckets=STORE_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "kvsidecar_store_errors",
+            "Store calls that failed as a whole (not per key).",
+            ["operation", "reason"],
+            registry=r,
+        )
+        self.sessions = Gauge("kvsidecar_sessions", "Open engine sessions.", ["role"], registry=r)
+        self.regions_bytes = Gauge(
+            "kvsidecar_registered_region_bytes", "Bytes of engine memory mapped by the daemon.", registry=r
+        )
+        self.store_healthy = Gauge(
+            "kvsidecar_store_healthy", "1 when the Mooncake store and its master answer, else 0.", registry=r
+        )
+        self.requests_rejected = Counter(
+            "kvsidecar_requests_rejected",
+            "Requests refused with an error status, by method and gRPC code.",
+            ["method", "code"],
+            registry=r,
+        )

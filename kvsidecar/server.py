@@ -1,0 +1,254 @@
+"""The running daemon: embedded master, store, metrics endpoint and gRPC server, started and stopped in order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvsidecar import __version__, notify
+from kvsidecar.config import Config, parse_address
+from kvsidecar.datapath import DataPath
+from kvsidecar.metrics import Metrics
+from kvsidecar.service import SidecarService
+from kvsidecar.session import SessionRegistry
+from kvsidecar.store import Store
+from kvsidecar_client.proto import sidecar_pb2, sidecar_pb2_grpc
+
+log = logging.getLogger("kvsidecar")
+
+SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["Sidecar"].full_name
+HOUSEKEEPING_INTERVAL_S = 1.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start (socket taken, master or store unavailable)."""
+
+
+def claim_socket(path: str) -> None:
+    """Make `path` free for a new listener: take over a stale socket, refuse a live one or a non-socket."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if not (p.exists() or p.is_symlink()):
+        return
+    if not p.is_socket():
+        raise DaemonError(f"{path} exists and is not a socket: refusing to replace it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("taking over stale socket %s (no daemon answers on it)", path)
+            p.unlink(missing_ok=True)
+            return
+        except OSError as exc:
+            raise DaemonError(f"cannot check socket {path}: {exc.strerror}") from None
+    raise DaemonError(f"another daemon is serving on {path}")
+
+
+def create_server(
+    service: SidecarService, config: Config
+) -> tuple[grpc.aio.Server, health_aio.HealthServicer, list[str]]:
+    """A gRPC server with the Sidecar, health and reflection services, bound but not started."""
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    sidecar_pb2_grpc.add_SidecarServicer_to_server(service, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    claim_socket(config.socket)
+    # The socket file appears at bind time; a tight umask keeps it private until its mode is set.
+    old = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix://{config.socket}")
+    finally:
+        os.umask(old)
+    os.chmod(config.socket, config.socket_mode)
+    if config.socket_group:
+        try:
+            os.chown(config.socket, -1, grp.getgrnam(config.socket_group).gr_gid)
+        except (KeyError, PermissionError) as exc:
+            raise DaemonError(f"cannot give {config.socket} to group {config.socket_group!r}: {exc}") from None
+    addresses = [f"unix://{config.socket}"]
+    if config.listen:
+        port = server.add_insecure_port(config.listen)
+        host, _ = parse_address(config.listen)
+        addresses.append(f"{host}:{port}")
+    return server, health, addresses
+
+
+class Daemon:
+    """One kvsidecar process. Pass `store` to run over a given store (tests); by default it builds Mooncake's."""
+
+    def __init__(self, config: Config, *, store: Store | None = None, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self._store = store
+        self.master: Any = None
+        self.master_address = config.master
+        self.addresses: list[str] = []
+        self.metrics_url = ""
+        self._httpd: Any = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
+        self.service: SidecarService | None = None
+
+    async def start(self) -> None:
+        """Start everything; on failure, stop what was started and raise DaemonError."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        claim_socket(cfg.socket)  # fail before starting a master if another daemon owns the socket
+        if self._store is None:
+            self._store = await loop.run_in_executor(None, self._open_store)
+        store = self._store
+        host, port = parse_address(cfg.metrics_address)
+        try:
+            self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
+        except OSError as exc:
+            raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
+        self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
+        sessions = SessionRegistry(cfg.session_ttl, release=lambda s: self._release(s))
+        self.service = SidecarService(
+            DataPath(store, self.metrics),
+            sessions,
+            self.metrics,
+            workers=cfg.workers,
+            master_address=self.master_address,
+        )
+        self._server, self._health, self.addresses = create_server(self.service, cfg)
+        await self._server.start()
+        await self._check_store()
+        self._housekeeping = asyncio.create_task(self._housekeep())
+        extra = f" tcp {self.addresses[1]}" if len(self.addresses) > 1 else ""
+        origin = "embedded" if self.master is not None else "external"
+        log.info(
+            "kvsidecar %s ready: grpc %s%s, metrics %s, mooncake master %s (%s)",
+            __version__,
+            self.addresses[0],
+            extra,
+            self.metrics_url,
+            self.master_address or "none",
+            origin,
+        )
+        notify.ready(f"serving on {self.addresses[0]}")
+
+    def _open_store(self) -> Store:
+        # Mooncake is imported only here (and in the store package): the rest of the daemon runs without it.
+        from kvsidecar.master import EmbeddedMaster
+        from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
+        from kvsidecar.store.native import ensure_native_libs
+
+        cfg = self.config
+        child_env = ensure_native_libs()
+        # Mooncake's own environment variables, set at the edge: stay on loopback when the node is loopback.
+        if cfg.local_hostname in ("127.0.0.1", "localhost", "::1"):
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        # A hung master must not hold a worker thread for Mooncake's default 30 s: lookups degrade to misses.
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", "5000")
+        if not cfg.master:
+            self.master = EmbeddedMaster(
+                binary=cfg.master_binary or None, lease_ttl_ms=cfg.master_lease_ttl_ms, env=child_env
+            )
+            self.master.start()
+            self.master_address = self.master.address
+        settings = MooncakeSettings(
+            local_hostname=cfg.local_hostname,
+            metadata_server=cfg.metadata_server,
+            master_server_addr=self.master_address,
+            global_segment_size=cfg.segment_size,
+            local_buffer_size=cfg.local_buffer_size,
+            protocol=cfg.protocol,
+            rdma_devices=cfg.rdma_devices,
+            replica_num=cfg.replicas,
+        )
+        return MooncakeStore.connect(settings)
+
+    async def _check_store(self) -> None:
+        assert self.service is not None and self._health is not None
+        health = await asyncio.get_running_loop().run_in_executor(None, self.service.store.health)
+        self.metrics.store_healthy.set(1 if health.healthy else 0)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set("", serving)
+        # The Sidecar service answers even when the store is down (lookups miss); its health says so.
+        await self._health.set(SERVICE_NAME, serving if health.healthy else not_serving)
+
+    async def _housekeep(self) -> None:
+        assert self.service is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+            await loop.run_in_executor(None, self.service.sessions.expire)
+            await self._check_store()
+
+    def _release(self, session: Any) -> None:
+        assert self.service is not None
+        self.service.release(session)
+
+    async def stop(self) -> None:
+        """Stop in reverse order: refuse new work, drain, release sessions, close the store, stop the master."""
+        notify.stopping()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeping
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.service is not None:
+            self.service.stop_accepting()
+        if self._server is not None:
+            await self._server.stop(SHUTDOWN_GRACE_S)
+        loop = asyncio.get_running_loop()
+        if self.service is not None:
+            await loop.run_in_executor(None, self.service.sessions.close_all)
+            await loop.run_in_executor(None, self.service.shutdown_pools)
+        if self._store is not None:
+            await loop.run_in_executor(None, self._store.close)
+        if self.master is not None:
+            await loop.run_in_executor(None, self.master.stop)
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        if self._server is not None:
+            Path(self.config.socket).unlink(missing_ok=True)
+
+
+async def serve(config: Config) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
+    daemon = Daemon(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await daemon.start()
+    await stop.wait()
+    log.info("kvsidecar stopping")
+    await daemon.stop()

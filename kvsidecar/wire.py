@@ -1,0 +1,123 @@
+"""Proto messages to domain values and back; every request field is validated here with a precise reason."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from kvsidecar.datapath import Failure
+from kvsidecar.errors import BadRequest
+from kvsidecar.memory import CudaIpcMapping, RegionSpec, ShmMapping
+from kvsidecar.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar.session import Role
+from kvsidecar_client.proto import sidecar_pb2 as pb
+
+MAX_HASHES = 1 << 20
+MAX_BLOCK_IDS = 1 << 20
+MAX_GROUPS = 64
+MAX_HASH_BYTES = 64
+
+_KINDS = {
+    pb.FULL_ATTENTION: Kind.FULL_ATTENTION,
+    pb.SLIDING_WINDOW: Kind.SLIDING_WINDOW,
+    pb.MLA: Kind.MLA,
+    pb.SLIDING_WINDOW_MLA: Kind.SLIDING_WINDOW_MLA,
+    pb.MAMBA: Kind.MAMBA,
+    pb.UNIFORM: Kind.UNIFORM,
+}
+_ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
+ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
+
+
+def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
+    """(role, layout, hash_bytes) of an OpenSession request."""
+    if req.role not in _ROLES:
+        raise BadRequest("role must be ROLE_RANK or ROLE_SCHEDULER")
+    if not 1 <= req.hash_bytes <= MAX_HASH_BYTES:
+        raise BadRequest(f"hash_bytes must be in [1, {MAX_HASH_BYTES}], got {req.hash_bytes}")
+    if not req.groups:
+        raise BadRequest("a session needs at least one KV-cache group")
+    if len(req.groups) > MAX_GROUPS:
+        raise BadRequest(f"at most {MAX_GROUPS} KV-cache groups, got {len(req.groups)}")
+    groups = tuple(_group(i, g) for i, g in enumerate(req.groups))
+    p = req.parallel
+    parallel = Parallel(
+        tp_size=p.tp_size,
+        tp_rank=p.tp_rank,
+        pp_size=p.pp_size or 1,
+        pp_rank=p.pp_rank,
+        pcp_size=p.pcp_size or 1,
+        pcp_rank=p.pcp_rank,
+        dcp_size=p.dcp_size or 1,
+    )
+    layout = Layout(
+        model=req.engine.model,
+        groups=groups,
+        parallel=parallel,
+        num_kv_heads=req.num_kv_heads,
+        hash_block_size=req.hash_block_size,
+        cache_prefix=req.engine.cache_prefix,
+    )
+    return _ROLES[req.role], layout, req.hash_bytes
+
+
+def _group(index: int, g: Any) -> GroupSpec:
+    if g.kind not in _KINDS:
+        raise BadRequest(f"group {index}: kind must be set")
+    inner = []
+    for k in g.inner:
+        if k not in _KINDS:
+            raise BadRequest(f"group {index}: member kinds must be set")
+        inner.append(_KINDS[k])
+    return GroupSpec(_KINDS[g.kind], g.block_size, g.window, tuple(inner))
+
+
+def region_specs(regions: Sequence[Any]) -> list[RegionSpec]:
+    """Region descriptions of a RegisterMemory request (mapped later, by SessionMemory)."""
+    out = []
+    for i, r in enumerate(regions):
+        which = r.WhichOneof("handle")
+        if which == "shm":
+            if not r.shm.name:
+                raise BadRequest(f"region {i}: shared-memory name is empty")
+            key = "shm:" + r.shm.name
+            opener: Any = partial(ShmMapping, r.shm.name)
+        elif which == "cuda":
+            key = f"cuda:{r.cuda.device}:{r.cuda.handle.hex()}:{r.cuda.storage_offset}"
+            opener = partial(CudaIpcMapping, r.cuda)
+        else:
+            raise BadRequest(f"region {i}: needs a shm or cuda handle")
+        out.append(
+            RegionSpec(
+                key, opener, r.mapping_bytes, r.offset, r.block_stride, r.block_bytes, r.num_blocks, tuple(r.groups)
+            )
+        )
+    return out
+
+
+def hashes(values: Sequence[bytes], hash_bytes: int) -> list[bytes]:
+    """Block hashes, each exactly hash_bytes long."""
+    if len(values) > MAX_HASHES:
+        raise BadRequest(f"at most {MAX_HASHES} block hashes per request, got {len(values)}")
+    for i, h in enumerate(values):
+        if len(h) != hash_bytes:
+            raise BadRequest(f"block hash {i} has {len(h)} bytes, the session declared {hash_bytes}")
+    return list(values)
+
+
+def block_ids(values: Sequence[Any], num_groups: int) -> list[list[int]]:
+    """Per-group block ids; their bounds are checked against the regions when used."""
+    if len(values) != num_groups:
+        raise BadRequest(f"expected block ids for {num_groups} groups, got {len(values)}")
+    out = []
+    for g, v in enumerate(values):
+        if len(v.ids) > MAX_BLOCK_IDS:
+            raise BadRequest(f"group {g}: at most {MAX_BLOCK_IDS} block ids, got {len(v.ids)}")
+        out.append(list(v.ids))
+    return out
+
+
+def failures(items: Sequence[Failure]) -> list[pb.FailedBlock]:
+    """Failed blocks as proto messages."""
+    return [pb.FailedBlock(group=f.group, block_id=f.block_id, reason=f.reason) for f in items]

@@ -1,0 +1,76 @@
+"""Configuration: flags over the file over the defaults, and precise errors."""
+
+import argparse
+
+import pytest
+
+from kvsidecar.config import Config, ConfigError, add_flags, default_socket_path, from_args, parse_size
+
+
+def parse(*argv: str) -> Config:
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return from_args(parser.parse_args(argv))
+
+
+def test_defaults_run_on_a_laptop():
+    cfg = parse()
+    assert cfg.master == "" and cfg.metadata_server == "P2PHANDSHAKE" and cfg.protocol == "tcp"
+    assert cfg.segment_size == 1 << 30
+    assert cfg.metrics_address.startswith("127.0.0.1:")
+    assert cfg.listen == ""
+    assert cfg.socket == default_socket_path()
+
+
+def test_default_socket_path():
+    assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"}) == "/run/user/7/kvsidecar/kvsidecar.sock"
+    assert default_socket_path({}).startswith("/tmp/kvsidecar-")
+
+
+def test_file_then_flags(tmp_path):
+    f = tmp_path / "kvsidecar.toml"
+    f.write_text('segment-size = "2GiB"\nmaster = "10.0.0.1:50051"\nsocket_mode = "0600"\nworkers = 3\n')
+    cfg = parse("--config", str(f), "--workers", "5")
+    assert (cfg.segment_size, cfg.master, cfg.socket_mode, cfg.workers) == (2 << 30, "10.0.0.1:50051", 0o600, 5)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("1GiB", 1 << 30), ("512MiB", 512 << 20), ("64M", 64 << 20), ("4096", 4096), ("1.5g", 3 << 29)]
+)
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ("nonsense = 1\n", "unknown key 'nonsense'"),
+        ("segment-size = 'lots'\n", "not a size"),
+        ("x = [\n", "not valid TOML"),
+    ],
+)
+def test_bad_files(tmp_path, content, reason):
+    f = tmp_path / "c.toml"
+    f.write_text(content)
+    with pytest.raises(ConfigError, match=reason):
+        parse("--config", str(f))
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (("--protocol", "udp"), "protocol must be tcp or rdma"),
+        (("--segment-size", "1MiB"), "segment-size must be 0 or >= 16MiB"),
+        (("--master", "nohost"), "not a host:port"),
+        (("--session-ttl", "0"), "session-ttl must be > 0"),
+        (("--replicas", "0"), "replicas must be >= 1"),
+    ],
+)
+def test_bad_flags(argv, reason):
+    with pytest.raises(ConfigError, match=reason):
+        parse(*argv)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        parse("--config", str(tmp_path / "absent.toml"))

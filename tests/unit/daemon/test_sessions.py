@@ -1,0 +1,50 @@
+"""Session leases with a fake clock."""
+
+import pytest
+
+from kvsidecar.errors import UnknownSession
+from kvsidecar.placement import GroupSpec, Kind, Layout
+from kvsidecar.session import Role, SessionRegistry
+
+LAYOUT = Layout("m", (GroupSpec(Kind.MLA, 16),))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_renewal_and_expiry():
+    clock, released = Clock(), []
+    reg = SessionRegistry(10, released.append, clock)
+    a = reg.open(Role.RANK, LAYOUT, 32, "a")
+    b = reg.open(Role.SCHEDULER, LAYOUT, 32, "b")
+    assert a.id != b.id and len(a.id) >= 32
+    clock.now += 8
+    reg.get(a.id)  # renews a only
+    clock.now += 5
+    assert reg.expire() == [b]
+    assert released == [b]
+    with pytest.raises(UnknownSession, match="lease expired"):
+        reg.get(b.id)
+    assert reg.get(a.id) is a
+
+
+def test_expired_but_not_yet_swept_is_unknown():
+    clock = Clock()
+    reg = SessionRegistry(1, lambda s: None, clock)
+    s = reg.open(Role.RANK, LAYOUT, 32, "")
+    clock.now += 2
+    with pytest.raises(UnknownSession):
+        reg.get(s.id)
+
+
+def test_close_twice_is_not_found():
+    reg = SessionRegistry(1, lambda s: None)
+    s = reg.open(Role.RANK, LAYOUT, 32, "")
+    reg.close(s.id)
+    with pytest.raises(UnknownSession):
+        reg.close(s.id)
