@@ -138,8 +138,13 @@ class DataPath:
             self.metrics.lookup_requests.labels("degraded").inc()
             return LookupOutcome(Hit(0, (0,) * len(geo.groups)), True, f"store unavailable: {exc.reason}")
         hit = compute_hit(geo, num_tokens, plan.stored([p is Presence.PRESENT for p in presence]), eagle=eagle)
-        self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
         self.metrics.lookup_hit_tokens.inc(hit.tokens)
+        # Unanswered probes count as missing (never as hits); the answer says it may be shorter than the truth.
+        unknown = sum(p is Presence.UNKNOWN for p in presence)
+        if unknown:
+            self.metrics.lookup_requests.labels("degraded").inc()
+            return LookupOutcome(hit, True, f"{unknown} of {len(presence)} existence probes failed")
+        self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
         return LookupOutcome(hit, False, "")
 
     def load(

@@ -145,10 +145,10 @@ class SidecarService(pb_grpc.SidecarServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
 
         def run() -> pb.SaveResponse:
-            session = self.sessions.get(request.session_id)
-            hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-            ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-            out = self.datapath.save(session, hashes, ids, request.num_tokens, request.saved_tokens, deadline)
+            with self.sessions.use(request.session_id) as session:
+                hashes = wire.hashes(request.block_hashes, session.hash_bytes)
+                ids = wire.block_ids(request.block_ids, len(session.layout.groups))
+                out = self.datapath.save(session, hashes, ids, request.num_tokens, request.saved_tokens, deadline)
             return pb.SaveResponse(
                 written=out.written,
                 skipped=out.skipped,
@@ -162,9 +162,9 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
-            session = self.sessions.get(request.session_id)
-            hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-            out = self.datapath.lookup(session, hashes, request.num_tokens, request.eagle)
+            with self.sessions.use(request.session_id) as session:
+                hashes = wire.hashes(request.block_hashes, session.hash_bytes)
+                out = self.datapath.lookup(session, hashes, request.num_tokens, request.eagle)
             return pb.LookupResponse(
                 hit_tokens=out.hit.tokens, tail_boundaries=out.hit.tails, degraded=out.degraded, detail=out.detail
             )
@@ -173,12 +173,12 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
         def run() -> pb.LoadResponse:
-            session = self.sessions.get(request.session_id)
-            hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-            ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-            out = self.datapath.load(
-                session, hashes, ids, request.hit_tokens, list(request.tail_boundaries), request.start_tokens
-            )
+            with self.sessions.use(request.session_id) as session:
+                hashes = wire.hashes(request.block_hashes, session.hash_bytes)
+                ids = wire.block_ids(request.block_ids, len(session.layout.groups))
+                out = self.datapath.load(
+                    session, hashes, ids, request.hit_tokens, list(request.tail_boundaries), request.start_tokens
+                )
             return pb.LoadResponse(
                 loaded=out.loaded, bytes_loaded=out.bytes_loaded, failures=wire.failures(out.failures)
             )
@@ -187,8 +187,8 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         def run() -> pb.ResetResponse:
-            session = self.sessions.get(request.session_id)
-            return pb.ResetResponse(removed=self.datapath.reset(session))
+            with self.sessions.use(request.session_id) as session:
+                return pb.ResetResponse(removed=self.datapath.reset(session))
 
         return await self._call(context, "Reset", self._data_pool, run)
 

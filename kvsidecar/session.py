@@ -7,7 +7,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvsidecar.errors import Forbidden, OutOfOrder, UnknownSession
@@ -38,6 +39,7 @@ class Session:
     expires_at: float
     memory: SessionMemory | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    in_flight: int = 0  # requests running now; a busy session never expires
 
     def require_memory(self) -> SessionMemory:
         """The session's memory, for saves and loads."""
@@ -84,10 +86,23 @@ class SessionRegistry:
         """The live session with this id, its lease renewed."""
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None or session.expires_at < self._clock():
+            if session is None or (session.expires_at < self._clock() and not session.in_flight):
                 raise UnknownSession(f"unknown session {session_id[:8]!r}: never opened, closed, or lease expired")
             session.expires_at = self._clock() + self.ttl
             return session
+
+    @contextmanager
+    def use(self, session_id: str) -> Iterator[Session]:
+        """The live session, held for one request: it cannot expire meanwhile, and its lease renews at the end."""
+        session = self.get(session_id)
+        with self._lock:
+            session.in_flight += 1
+        try:
+            yield session
+        finally:
+            with self._lock:
+                session.in_flight -= 1
+                session.expires_at = self._clock() + self.ttl
 
     def close(self, session_id: str) -> None:
         """Close a session now and release its memory."""
@@ -101,7 +116,7 @@ class SessionRegistry:
         """Close every session whose lease ran out; returns them."""
         now = self._clock()
         with self._lock:
-            dead = [s for s in self._sessions.values() if s.expires_at < now]
+            dead = [s for s in self._sessions.values() if s.expires_at < now and not s.in_flight]
             for s in dead:
                 del self._sessions[s.id]
         for s in dead:

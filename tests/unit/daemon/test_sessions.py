@@ -48,3 +48,16 @@ def test_close_twice_is_not_found():
     reg.close(s.id)
     with pytest.raises(UnknownSession):
         reg.close(s.id)
+
+
+def test_a_session_in_use_does_not_expire_and_renews_when_done():
+    clock, released = Clock(), []
+    reg = SessionRegistry(2, released.append, clock)
+    s = reg.open(Role.RANK, LAYOUT, 32, "")
+    with reg.use(s.id) as held:
+        clock.now += 10  # a store call slower than the lease
+        assert reg.expire() == []
+        assert held is s
+    assert reg.expire() == []  # renewed at the end of the request
+    clock.now += 3
+    assert reg.expire() == [s]

@@ -1,0 +1,149 @@
+"""The daemon's life: the no-flags embedded default, a master that dies and comes back, what it exports."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from deploy.metric_names import metric_names_in_deploy, sample_names
+from kvsidecar.master import EmbeddedMaster
+from kvsidecar_client.proto import sidecar_pb2 as pb
+from support.processes import DaemonProcess, free_port, stop_pid
+from support.rawrank import RawRank, group, open_request
+
+pytestmark = pytest.mark.integration
+
+H = [bytes([i]) * 32 for i in range(1, 9)]
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_no_flags_starts_an_embedded_master_and_stops_it(tmp_path):
+    """`kvsidecar serve` as the README runs it (only the paths moved into a temp dir, the port off the default)."""
+    sock = tmp_path / "kvsidecar.sock"
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar", "serve", "--metrics-address", f"127.0.0.1:{port}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        default_sock = tmp_path / "kvsidecar" / "kvsidecar.sock"
+        deadline = time.monotonic() + 60
+        while "ready:" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        ready = next(line for line in log.read_text().splitlines() if "ready:" in line)
+        assert f"grpc unix://{default_sock}" in ready
+        assert f"metrics http://127.0.0.1:{port}/metrics" in ready
+        assert re.search(r"mooncake master 127\.0\.0\.1:\d+ \(embedded\)", ready)
+        status = subprocess.run(
+            [sys.executable, "-m", "kvsidecar", "status"], capture_output=True, text=True, env=env, timeout=30
+        )
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "store: healthy" in status.stdout
+        masters = children(proc.pid)
+        assert masters, "the embedded mooncake_master should be the daemon's child"
+        assert not sock.exists()
+    finally:
+        code = stop_pid(proc, timeout=30)
+    assert code == 0, log.read_text()
+    time.sleep(0.5)
+    assert not any(alive(pid) for pid in masters), "the embedded master outlived the daemon"
+    assert not default_sock.exists()
+
+
+def test_master_killed_and_restarted(tmp_path):
+    master = EmbeddedMaster(rpc_port=free_port(), metrics_port=free_port()).start()
+    daemon = DaemonProcess(tmp_path, master=master.address).start()
+    rank = RawRank(daemon.target, open_request([group("mla", 16), group("mamba", 16)], model="org/Restart"), 16, 1024)
+    try:
+        rank.register()
+        for g in range(2):
+            for b in range(4):
+                rank.fill_block(g, b, bytes([10 * g + b + 1]) * 1024)
+        assert rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64).written == 8
+        hit = rank.lookup(H[:4], 65)
+        assert hit.hit_tokens == 64
+
+        os.kill(master.pid, 9)
+        started = time.monotonic()
+        miss = rank.lookup(H[:4], 65)
+        assert (miss.hit_tokens, miss.degraded) == (0, True)
+        save = rank.save(H[:4] + H[4:6], [[0, 1, 2, 3, 4, 5]] * 2, 96)
+        assert save.written == 0 and save.failed > 0
+        load = rank.load(H[:4], [[8, 9, 10, 11], [12, 13, 14, 15]], hit)
+        assert load.loaded == 0 and len(load.failures) == 5
+        assert time.monotonic() - started < 30, "nothing may hang while the master is down"
+
+        master.restart()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = subprocess.run(
+                [sys.executable, "-m", "kvsidecar", "status", "--socket", daemon.socket, "--quiet"], timeout=30
+            )
+            if status.returncode == 0:
+                break
+            time.sleep(0.5)
+        assert status.returncode == 0, daemon.log()[-3000:]
+        # The restarted master kept nothing: a miss, then the rank's next save stores everything again.
+        assert rank.lookup(H[:4], 65).hit_tokens == 0
+        deadline = time.monotonic() + 20
+        while (again := rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)).written + again.skipped < 8:
+            assert time.monotonic() < deadline, again  # -200 until the daemon's segment is mounted again
+            time.sleep(0.5)
+        hit = rank.lookup(H[:4], 65)
+        assert hit.hit_tokens == 64
+        assert not rank.load(H[:4], [[8, 9, 10, 11], [12, 13, 14, 15]], hit).failures
+        assert rank.block(0, 9) == bytes([2]) * 1024
+        assert rank.block(1, 15) == bytes([14]) * 1024
+    finally:
+        rank.close()
+        assert daemon.stop() == 0, daemon.log()[-3000:]
+        master.stop()
+
+
+def test_every_metric_the_deploy_tree_uses_is_exported(mooncake_master, tmp_path):
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    try:
+        body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    finally:
+        assert daemon.stop() == 0
+    exported = sample_names(text_string_to_metric_families(body))
+    used = metric_names_in_deploy()
+    assert used, "the deploy tree uses no metric?"
+    assert used <= exported, sorted(used - exported)
+
+
+def test_scheduler_sessions_show_in_the_sessions_gauge(mooncake_master, tmp_path):
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    sched = RawRank(daemon.target, open_request([group("mla", 16)], role=pb.ROLE_SCHEDULER))
+    try:
+        body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+        assert 'kvsidecar_sessions{role="scheduler"} 1.0' in body
+    finally:
+        sched.close()
+        assert daemon.stop() == 0
