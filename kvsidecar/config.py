@@ -77,7 +77,7 @@ class Config:
     replicas: int = 1
     session_ttl: float = DEFAULT_SESSION_TTL_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    workers: int = 4
+    workers: int = 8
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -120,7 +120,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("replicas", int, "replicas of every stored block (default 1)"),
     ("session_ttl", float, "seconds a session lives without a KeepAlive before its memory is released (default 10)"),
     ("max_message_bytes", parse_size, "largest gRPC message accepted or sent (default 64MiB)"),
-    ("workers", int, "threads running store calls off the event loop (default 4)"),
+    ("workers", int, "threads running saves and loads off the event loop (default 8)"),
     ("log_level", str, "debug, info, warning or error (default info)"),
 ]
 

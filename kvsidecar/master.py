@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import json
 import logging
 import os
@@ -47,6 +48,9 @@ _POLL_INTERVAL_S = 0.05
 _START_ATTEMPTS = 3
 
 log = logging.getLogger(__name__)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 class MasterError(RuntimeError):
@@ -118,6 +122,19 @@ def _file_tail(path: Path) -> list[str]:
             return f.read().decode("utf-8", "replace").splitlines()[-_TAIL_LINES:]
     except OSError:
         return []
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: have the kernel send SIGTERM when the thread that started it exits.
+
+    Linux only (prctl PR_SET_PDEATHSIG); elsewhere the daemon's own stop() is the only way it ends. The signal is
+    tied to the forking thread, so start the master from a thread that lives as long as the daemon.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class EmbeddedMaster:
@@ -290,6 +307,8 @@ class EmbeddedMaster:
                 # Its own session: a Ctrl-C meant for the daemon must not stop the master before the daemon has
                 # closed its store (closing with the master gone takes 10-15 s); the daemon stops it last.
                 start_new_session=True,
+                # ...but a daemon killed outright must not leave its master behind.
+                preexec_fn=_terminate_with_parent,
             )
         except OSError as exc:
             self._terminate(0)

@@ -126,6 +126,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         claim_socket(cfg.socket)  # fail before starting a master if another daemon owns the socket
         if self._store is None:
+            if not cfg.master:
+                self._start_master()
             self._store = await loop.run_in_executor(None, self._open_store)
         store = self._store
         host, port = parse_address(cfg.metrics_address)
@@ -159,26 +161,33 @@ class Daemon:
         )
         notify.ready(f"serving on {self.addresses[0]}")
 
+    def _start_master(self) -> None:
+        from kvsidecar.master import EmbeddedMaster
+        from kvsidecar.store.native import ensure_native_libs
+
+        # Started from the event loop's thread, which lives as long as the daemon: the master is told to stop
+        # by the kernel if the daemon dies without stopping it (see EmbeddedMaster).
+        self.master = EmbeddedMaster(
+            binary=self.config.master_binary or None,
+            lease_ttl_ms=self.config.master_lease_ttl_ms,
+            env=ensure_native_libs(),
+        )
+        self.master.start()
+        self.master_address = self.master.address
+
     def _open_store(self) -> Store:
         # Mooncake is imported only here (and in the store package): the rest of the daemon runs without it.
-        from kvsidecar.master import EmbeddedMaster
         from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
         from kvsidecar.store.native import ensure_native_libs
 
         cfg = self.config
-        child_env = ensure_native_libs()
+        ensure_native_libs()
         # Mooncake's own environment variables, set at the edge: stay on loopback when the node is loopback.
         if cfg.local_hostname in ("127.0.0.1", "localhost", "::1"):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         # A hung master must not hold a worker thread for Mooncake's default 30 s: lookups degrade to misses.
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", "5000")
-        if not cfg.master:
-            self.master = EmbeddedMaster(
-                binary=cfg.master_binary or None, lease_ttl_ms=cfg.master_lease_ttl_ms, env=child_env
-            )
-            self.master.start()
-            self.master_address = self.master.address
         settings = MooncakeSettings(
             local_hostname=cfg.local_hostname,
             metadata_server=cfg.metadata_server,

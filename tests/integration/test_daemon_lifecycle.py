@@ -147,3 +147,28 @@ def test_scheduler_sessions_show_in_the_sessions_gauge(mooncake_master, tmp_path
     finally:
         sched.close()
         assert daemon.stop() == 0
+
+
+def test_a_daemon_killed_outright_takes_its_embedded_master_along(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar", "serve", "--socket", str(tmp_path / "s.sock"),
+             "--metrics-address", f"127.0.0.1:{port}", "--segment-size", "64MiB"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "ready:" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        masters = children(proc.pid)
+        assert masters
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in masters) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in masters), "an orphaned mooncake_master survived its daemon"
