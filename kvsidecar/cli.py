@@ -79,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     try:
         uvloop.run(serve(config))
-    except (DaemonError, StoreError) as exc:
+    except (DaemonError, StoreError, ConfigError, OSError) as exc:
         logging.getLogger("kvsidecar").error("cannot start: %s", exc)
         return 1
     return 0
@@ -101,9 +101,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _status(args: argparse.Namespace) -> int:
     from kvsidecar.status import run
+    from kvsidecar_client import TcpAuth
 
     target = args.address or f"unix://{args.socket}"
-    return run(target, timeout=args.timeout, as_json=args.json, quiet=args.quiet, live_only=args.live)
+    auth = None
+    if args.address and (args.tls_ca or args.tls_cert or args.token_file):
+        auth = TcpAuth.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
+    return run(target, timeout=args.timeout, as_json=args.json, quiet=args.quiet, live_only=args.live, auth=auth)
 
 
 def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -116,7 +120,11 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "1: the daemon answers but its store does not; 2: no daemon answers.",
     )
     p.add_argument("--socket", default=default_socket_path(), help="the daemon's Unix socket (default: %(default)s)")
-    p.add_argument("--address", default="", help="a gRPC target instead of the socket, e.g. 127.0.0.1:50070")
+    p.add_argument("--address", default="", help="the daemon's TCP listener instead of the socket, e.g. 10.0.0.5:50070")
+    p.add_argument("--tls-ca", default="", help="with --address: PEM CA that signed the daemon's certificate")
+    p.add_argument("--tls-cert", default="", help="with --address: PEM client certificate")
+    p.add_argument("--tls-key", default="", help="with --address: PEM client key")
+    p.add_argument("--token-file", default="", help="with --address: file holding the bearer token")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for answers (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--quiet", action="store_true", help="print nothing; only the exit code")

@@ -63,7 +63,11 @@ class Config:
     socket: str = field(default_factory=default_socket_path)
     socket_mode: int = 0o660
     socket_group: str = ""
-    listen: str = ""  # optional TCP listener host:port
+    listen: str = ""  # optional TCP listener host:port; needs TLS and client authentication
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # client certificates signed by this CA are required
+    token_file: str = ""  # clients must send `authorization: Bearer <token>`
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     master: str = ""  # empty: start an embedded mooncake_master on loopback
     master_binary: str = ""
@@ -99,6 +103,14 @@ class Config:
                 parse_address(value)
         if not self.socket:
             raise ConfigError("socket path must not be empty")
+        if self.listen:
+            # The Unix socket is guarded by file permissions; a TCP port has no such guard, so it never runs open.
+            if not (self.tls_cert and self.tls_key):
+                raise ConfigError("--listen needs --tls-cert and --tls-key: the TCP listener only speaks TLS")
+            if not (self.tls_client_ca or self.token_file):
+                raise ConfigError("--listen needs --tls-client-ca and/or --token-file: TCP clients must authenticate")
+        elif self.tls_cert or self.tls_key or self.tls_client_ca or self.token_file:
+            raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
 
 
 # (flag, type, help); each field of Config has exactly one flag.
@@ -106,7 +118,11 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("socket", str, "Unix socket the gRPC service listens on (default: %(default)s)"),
     ("socket_mode", lambda s: int(s, 8), "permissions of the socket file, octal (default 0660)"),
     ("socket_group", str, "group that owns the socket file (default: the daemon's)"),
-    ("listen", str, "also listen on TCP host:port (default: off)"),
+    ("listen", str, "also listen on TCP host:port, with TLS and client authentication (default: off)"),
+    ("tls_cert", str, "PEM certificate chain of the TCP listener"),
+    ("tls_key", str, "PEM private key of the TCP listener"),
+    ("tls_client_ca", str, "PEM CA bundle: TCP clients must present a certificate it signed"),
+    ("token_file", str, "file holding a bearer token TCP clients must send (authorization: Bearer <token>)"),
     ("metrics_address", str, "host:port of the Prometheus /metrics endpoint (default: %(default)s)"),
     ("master", str, "host:port of an existing mooncake_master (default: start one on loopback)"),
     ("master_binary", str, "path of mooncake_master for the embedded master (default: next to python, or PATH)"),

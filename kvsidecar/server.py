@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvsidecar import __version__, notify
+from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.config import Config, parse_address
 from kvsidecar.datapath import DataPath
 from kvsidecar.metrics import Metrics
@@ -59,27 +60,31 @@ def claim_socket(path: str) -> None:
     raise DaemonError(f"another daemon is serving on {path}")
 
 
-def create_server(
-    service: SidecarService, config: Config
-) -> tuple[grpc.aio.Server, health_aio.HealthServicer, list[str]]:
-    """A gRPC server with the Sidecar, health and reflection services, bound but not started."""
+def _server(service: SidecarService, health: health_aio.HealthServicer, config: Config, **kw: Any) -> grpc.aio.Server:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, **kw)
     sidecar_pb2_grpc.add_SidecarServicer_to_server(service, server)
-    health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return server
+
+
+def create_servers(
+    service: SidecarService, config: Config, metrics: Metrics
+) -> tuple[list[grpc.aio.Server], health_aio.HealthServicer, list[str]]:
+    """The Unix-socket server and, with --listen, an authenticated TLS one; bound, not started."""
+    health = health_aio.HealthServicer()
+    unix = _server(service, health, config)
     claim_socket(config.socket)
     # The socket file appears at bind time; a tight umask keeps it private until its mode is set.
     old = os.umask(0o177)
     try:
-        server.add_insecure_port(f"unix://{config.socket}")
+        unix.add_insecure_port(f"unix://{config.socket}")
     finally:
         os.umask(old)
     os.chmod(config.socket, config.socket_mode)
@@ -88,12 +93,23 @@ def create_server(
             os.chown(config.socket, -1, grp.getgrnam(config.socket_group).gr_gid)
         except (KeyError, PermissionError) as exc:
             raise DaemonError(f"cannot give {config.socket} to group {config.socket_group!r}: {exc}") from None
-    addresses = [f"unix://{config.socket}"]
+    servers, addresses = [unix], [f"unix://{config.socket}"]
     if config.listen:
-        port = server.add_insecure_port(config.listen)
+        check_files_exist(config)
+        interceptors = []
+        if config.token_file:
+            refused = metrics.requests_rejected
+            interceptors.append(
+                TokenAuth(read_token(config.token_file), lambda method: refused.labels(method, "UNAUTHENTICATED").inc())
+            )
+        tcp = _server(service, health, config, interceptors=interceptors)
+        port = tcp.add_secure_port(config.listen, server_credentials(config))
+        if not port:
+            raise DaemonError(f"cannot listen on {config.listen}")
         host, _ = parse_address(config.listen)
+        servers.append(tcp)
         addresses.append(f"{host}:{port}")
-    return server, health, addresses
+    return servers, health, addresses
 
 
 class Daemon:
@@ -108,7 +124,7 @@ class Daemon:
         self.addresses: list[str] = []
         self.metrics_url = ""
         self._httpd: Any = None
-        self._server: grpc.aio.Server | None = None
+        self._servers: list[grpc.aio.Server] = []
         self._health: health_aio.HealthServicer | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self.service: SidecarService | None = None
@@ -144,11 +160,12 @@ class Daemon:
             workers=cfg.workers,
             master_address=self.master_address,
         )
-        self._server, self._health, self.addresses = create_server(self.service, cfg)
-        await self._server.start()
+        self._servers, self._health, self.addresses = create_servers(self.service, cfg, self.metrics)
+        for server in self._servers:
+            await server.start()
         await self._check_store()
         self._housekeeping = asyncio.create_task(self._housekeep())
-        extra = f" tcp {self.addresses[1]}" if len(self.addresses) > 1 else ""
+        extra = f" tcp+tls {self.addresses[1]}" if len(self.addresses) > 1 else ""
         origin = "embedded" if self.master is not None else "external"
         log.info(
             "kvsidecar %s ready: grpc %s%s, metrics %s, mooncake master %s (%s)",
@@ -233,8 +250,7 @@ class Daemon:
             await self._health.enter_graceful_shutdown()
         if self.service is not None:
             self.service.stop_accepting()
-        if self._server is not None:
-            await self._server.stop(SHUTDOWN_GRACE_S)
+        await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
         loop = asyncio.get_running_loop()
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)
@@ -246,7 +262,7 @@ class Daemon:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
-        if self._server is not None:
+        if self._servers:
             Path(self.config.socket).unlink(missing_ok=True)
 
 

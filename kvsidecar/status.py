@@ -10,14 +10,16 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsidecar.server import SERVICE_NAME
+from kvsidecar_client import TcpAuth
+from kvsidecar_client._channel import make_channel
 from kvsidecar_client.proto import sidecar_pb2, sidecar_pb2_grpc
 
 EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2
 
 
-def query(target: str, timeout: float) -> dict[str, Any]:
+def query(target: str, timeout: float, auth: TcpAuth | None = None) -> dict[str, Any]:
     """Health of the daemon and of its store, and its stats; raises grpc.RpcError when unreachable."""
-    with grpc.insecure_channel(target) as channel:
+    with make_channel(target, auth=auth) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         daemon = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         sidecar = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
@@ -54,10 +56,12 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(target: str, *, timeout: float, as_json: bool, quiet: bool, live_only: bool) -> int:
+def run(
+    target: str, *, timeout: float, as_json: bool, quiet: bool, live_only: bool, auth: TcpAuth | None = None
+) -> int:
     """Print the status; the exit code says whether the daemon (and, unless live_only, its store) is healthy."""
     try:
-        info = query(target, timeout)
+        info = query(target, timeout, auth)
     except grpc.RpcError as exc:
         if not quiet:
             print(f"kvsidecar status: no daemon answers at {target}: {exc.code().name}: {exc.details()}")

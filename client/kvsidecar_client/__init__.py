@@ -13,6 +13,7 @@ Usage:
     client.close()
 """
 
+from kvsidecar_client._channel import TcpAuth
 from kvsidecar_client.client import SidecarClient
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
@@ -67,6 +68,7 @@ __all__ = [
     "SessionSpec",
     "SidecarClient",
     "SidecarError",
+    "TcpAuth",
     "Unsupported",
     "shared_tensor",
 ]

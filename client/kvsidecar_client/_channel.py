@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "channel_options", "make_channel", "target"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "TcpAuth", "channel_options", "make_channel", "target"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the daemon's default --max-message-bytes
 
@@ -45,6 +47,40 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
-def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """An insecure channel to the daemon: a node-local Unix socket, or TCP inside a trusted pod network."""
-    return grpc.insecure_channel(target(address), options=channel_options(max_message_bytes))
+@dataclass(frozen=True)
+class TcpAuth:
+    """How to reach a daemon's TCP listener: TLS (trusting root_ca), a client certificate, and/or a bearer token."""
+
+    root_ca: bytes | None = None  # PEM; None trusts the system's roots
+    client_cert: bytes | None = None  # PEM chain, with client_key, for listeners that require client certificates
+    client_key: bytes | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_files(
+        cls, root_ca: str = "", client_cert: str = "", client_key: str = "", token_file: str = ""
+    ) -> TcpAuth:
+        """Read the PEM files and token file that are given (empty paths are skipped)."""
+
+        def read(path: str) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        token = Path(token_file).read_text().strip() if token_file else None
+        return cls(read(root_ca), read(client_cert), read(client_key), token)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """TLS channel credentials, with the token attached to every call."""
+        tls = grpc.ssl_channel_credentials(self.root_ca, self.client_key, self.client_cert)
+        if self.token is None:
+            return tls
+        return grpc.composite_channel_credentials(tls, grpc.access_token_call_credentials(self.token))
+
+
+def make_channel(
+    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, auth: TcpAuth | None = None
+) -> grpc.Channel:
+    """A channel to the daemon: its node-local Unix socket (plain; file permissions guard it), or TLS over TCP."""
+    options = channel_options(max_message_bytes)
+    if auth is None:
+        return grpc.insecure_channel(target(address), options=options)
+    return grpc.secure_channel(target(address), auth.credentials(), options=options)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, make_channel
+from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, TcpAuth, make_channel
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import ClientClosed, DaemonUnavailable, InvalidRequest, PreconditionFailed, SessionLost
 from kvsidecar_client.jobs import SaveJob
@@ -69,11 +69,12 @@ class SidecarClient:
         client_name: str | None = None,
         deadlines: Deadlines | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        auth: TcpAuth | None = None,
     ) -> SidecarClient:
         """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
 
         Raises InvalidRequest for a bad layout (before any I/O) and DaemonUnavailable when no daemon answers within
-        the connect deadline.
+        the connect deadline. A TCP listener needs `auth` (TLS, a client certificate and/or a token).
         """
         spec = SessionSpec(
             model=model,
@@ -86,7 +87,7 @@ class SidecarClient:
             hash_bytes=hash_bytes,
             client_name=_default_client_name() if client_name is None else client_name,
         )
-        client = cls(make_channel(address, max_message_bytes), spec, deadlines=deadlines)
+        client = cls(make_channel(address, max_message_bytes, auth), spec, deadlines=deadlines)
         try:
             client.start()
         except BaseException:

@@ -26,6 +26,7 @@ PUBLIC = [
     "SessionSpec",
     "SidecarClient",
     "SidecarError",
+    "TcpAuth",
     "Unsupported",
     "shared_tensor",
 ]

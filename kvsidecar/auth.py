@@ -1,0 +1,99 @@
+"""Authentication of the TCP listener: TLS (optionally with client certificates) and a bearer token."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvsidecar.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+# Health answers carry nothing secret, and probes (kubelet, load balancers) cannot send tokens.
+UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/",)
+
+
+def read_token(path: str) -> str:
+    """The token in a file (surrounding whitespace ignored); it must not be empty."""
+    p = Path(path)
+    try:
+        token = p.read_text().strip()
+        mode = p.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
+        log.warning("token file %s is readable by others (mode %o): make it 0600 or 0640", path, mode & 0o777)
+    return token
+
+
+def server_credentials(config: Config) -> grpc.ServerCredentials:
+    """TLS credentials of the TCP listener, requiring client certificates when a client CA is configured."""
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+    chain = read(config.tls_cert, "TLS certificate")
+    key = read(config.tls_key, "TLS key")
+    ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call without `authorization: Bearer <token>` (health checks excepted)."""
+
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._on_refused = on_refused
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method: str = details.method
+        if handler is None or method.startswith(UNAUTHENTICATED_METHODS):
+            return handler
+        metadata: Any = details.invocation_metadata or ()
+        sent = next((v for k, v in metadata if k == "authorization"), "")
+        sent_bytes = sent.encode() if isinstance(sent, str) else bytes(sent)
+        if hmac.compare_digest(sent_bytes, self._expected):
+            return handler
+        if self._on_refused is not None:
+            self._on_refused(method)
+        return _refusal(handler)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    reason = "missing or wrong bearer token: send `authorization: Bearer <token>`"
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
+
+
+def check_files_exist(config: Config) -> None:
+    """Fail at start-up, not at the first TLS handshake, when a configured file is missing."""
+    for path in (config.tls_cert, config.tls_key, config.tls_client_ca, config.token_file):
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"no such file: {path}")
