@@ -6,8 +6,9 @@ Synchronous by design: the service runs these in worker threads, off the event l
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -54,12 +55,37 @@ class LoadOutcome(NamedTuple):
     failures: tuple[Failure, ...]
 
 
+class NoSpaceBackoff:
+    """After the store says it is full, saves skip it for a while (doubling, reset by a put that fits)."""
+
+    def __init__(self, first: float = 0.25, longest: float = 4.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._first, self._longest, self._clock = first, longest, clock
+        self._delay = 0.0
+        self._until = 0.0
+        self._lock = threading.Lock()
+
+    def active(self) -> bool:
+        """Whether saves should not try the store now."""
+        with self._lock:
+            return self._clock() < self._until
+
+    def record(self, full: bool) -> None:
+        """Note the outcome of a put batch: full or not."""
+        with self._lock:
+            if full:
+                self._delay = min(self._longest, self._delay * 2 if self._delay else self._first)
+                self._until = self._clock() + self._delay
+            else:
+                self._delay = 0.0
+
+
 class DataPath:
     """Runs each request's plan with one batch call per step, and counts everything for operators."""
 
-    def __init__(self, store: Store, metrics: Metrics) -> None:
+    def __init__(self, store: Store, metrics: Metrics, backoff: NoSpaceBackoff | None = None) -> None:
         self.store = store
         self.metrics = metrics
+        self.backoff = backoff or NoSpaceBackoff()
 
     def save(
         self,
@@ -91,6 +117,9 @@ class DataPath:
             todo = [i for i, p in enumerate(presence) if p is not Presence.PRESENT]
             if _past(deadline):
                 codes = [StoreCode.DEADLINE_EXCEEDED] * len(todo)
+            elif todo and self.backoff.active():
+                # A full store is evicting in the background; hammering it only slows that down.
+                codes = [StoreCode.NO_SPACE] * len(todo)
             else:
                 try:
                     with self._timed("put"):
@@ -100,6 +129,8 @@ class DataPath:
                 except StoreError as exc:
                     self.metrics.store_errors.labels("put", exc.code.value).inc()
                     codes = [exc.code] * len(todo)
+                if todo:
+                    self.backoff.record(StoreCode.NO_SPACE in codes)
                 if _past(deadline):
                     codes = self._revoke([keys[i] for i in todo], codes)
         skipped = len(plan.chunks) - len(todo)

@@ -54,8 +54,8 @@ class Store(Protocol):
         """One batch get; OK only when exactly sum(sizes) bytes were written for that key."""
         ...
 
-    def remove(self, keys: Sequence[str]) -> list[StoreCode]:
-        """Remove these keys even if leased (a value that must not be served); one result per key."""
+    def remove(self, keys: Sequence[str], *, force: bool = True) -> list[StoreCode]:
+        """Remove these keys, by default even if leased (a value that must not be served); one result per key."""
         ...
 
     def remove_prefix(self, prefix: str) -> int:

@@ -127,8 +127,8 @@ class MemoryStore:
             self._check_open()
             return [self._get_one(key, a, s) for key, a, s in zip(keys, addresses, sizes, strict=True)]
 
-    def remove(self, keys: Sequence[str]) -> list[StoreCode]:
-        """Remove each key; NOT_FOUND for a key that is not there."""
+    def remove(self, keys: Sequence[str], *, force: bool = True) -> list[StoreCode]:
+        """Remove each key; NOT_FOUND for a key that is not there (no leases here, so force changes nothing)."""
         with self._lock:
             self._check_open()
             out = []

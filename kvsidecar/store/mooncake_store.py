@@ -228,12 +228,12 @@ class MooncakeStore:
             return []
         return self._call("batch_get_into_multi_buffers", lambda n: _get_into(n, keys, addresses, sizes))
 
-    def remove(self, keys: Sequence[str]) -> list[StoreCode]:
-        """Forced batch remove: a leased key goes too, since the caller knows its value is bad."""
+    def remove(self, keys: Sequence[str], *, force: bool = True) -> list[StoreCode]:
+        """Batch remove; forced by default (a leased key goes too), since callers remove values known to be bad."""
         if not keys:
             self._ensure_open()
             return []
-        codes = self._call("batch_remove", lambda n: n.batch_remove(list(keys), True))
+        codes = self._call("batch_remove", lambda n: n.batch_remove(list(keys), force))
         _check_result_length("batch_remove", codes, keys)
         return [from_mooncake(c) for c in codes]
 

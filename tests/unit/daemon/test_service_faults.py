@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvsidecar.store import StoreCode, StoreUnavailable
@@ -72,9 +74,18 @@ def test_failed_puts_are_counted_and_named(daemon, store, rank):
     assert (
         daemon.sample("kvsidecar_save_failed_blocks_total", {"group_kind": "full_attention", "reason": "no_space"}) == 3
     )
-    # A later save writes what failed (existence check first, so nothing is written twice).
+    # Right after a full store, saves back off: they fail at once without a put (the store is evicting).
+    puts = []
+    store.set_fault(lambda op, key: puts.append(key) if op == "put" else None)
+    during = rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)
+    assert (during.written, during.skipped, during.failed, puts) == (0, 5, 3, [])
+    # Lookups and loads do not back off.
+    assert rank.lookup(H[:4], 65).hit_tokens == 0  # block 0 of attention is missing
+    time.sleep(0.3)
+    # After the backoff a save writes what failed (existence check first, so nothing is written twice).
     again = rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)
     assert (again.written, again.skipped, again.failed) == (3, 5, 0)
+    assert rank.lookup(H[:4], 65).hit_tokens == 64
 
 
 def test_whole_put_failure_fails_every_block(store, rank):

@@ -1,0 +1,190 @@
+"""Faults with real processes, killed for real: a full store, leases, a daemon crash, a rank crash."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from kvsidecar.master import EmbeddedMaster
+from kvsidecar.placement import Geometry, GroupSpec, Kind, Layout, block_key
+from kvsidecar.store import StoreCode
+from kvsidecar_client import DaemonUnavailable, EngineLayout, SidecarClient, shared_tensor
+from kvsidecar_client import GroupSpec as ClientGroup
+from support.processes import DaemonProcess
+from support.rawrank import RawRank, group, open_request
+from support.storage_node import StorageNode
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def hashes(n: int, salt: int) -> list[bytes]:
+    return [(salt * 1000 + i).to_bytes(32, "big") for i in range(n)]
+
+
+def metric(daemon: DaemonProcess, line_prefix: str) -> float:
+    body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(line_prefix)]
+    return sum(values)
+
+
+@pytest.fixture
+def own_master():
+    master = EmbeddedMaster(lease_ttl_ms=1000).start()
+    yield master
+    master.stop()
+
+
+def test_full_store_fails_saves_softly_and_keeps_serving(own_master, tmp_path):
+    daemon = DaemonProcess(tmp_path, master=own_master.address, extra=("--segment-size", "16MiB")).start()
+    rank = RawRank(daemon.target, open_request([group("mla", 16)], model="org/Full"), num_blocks=48, block_bytes=MiB)
+    try:
+        rank.register()
+        for b in range(48):
+            rank.fill_block(0, b, bytes([b + 1]) * MiB)
+        first = hashes(4, 1)
+        assert rank.save(first, [[0, 1, 2, 3]], 64).written == 4
+        hit = rank.lookup(first, 65)
+        assert hit.hit_tokens == 64
+        big = hashes(40, 2)
+        out = rank.save(big, [list(range(4, 44))], 40 * 16)
+        assert out.failed > 0 and {f.reason for f in out.failures} == {"no_space"}
+        assert metric(daemon, 'kvsidecar_save_failed_blocks_total{group_kind="mla",reason="no_space"}') > 0
+        # Lookups and loads keep working: the hit's blocks either load byte-exact or are named as failed.
+        again = rank.lookup(first, 65)
+        loaded = rank.load(first, [[44, 45, 46, 47]], again)
+        failed = {f.block_id for f in loaded.failures}
+        for i, b in enumerate((44, 45, 46, 47)):
+            if b not in failed:
+                assert rank.block(0, b) == bytes([i + 1]) * MiB
+        assert daemon.serving()
+    finally:
+        rank.close()
+        assert daemon.stop() == 0, daemon.log()[-2000:]
+
+
+def test_a_hit_is_protected_by_its_lease_until_the_load(own_master, tmp_path, connect_mooncake, mooncake_settings):
+    daemon = DaemonProcess(tmp_path, master=own_master.address).start()
+    rank = RawRank(daemon.target, open_request([group("full_attention", 16)], model="org/Lease"), 8, 4096)
+    other = connect_mooncake(mooncake_settings(own_master, global_segment_size=0))
+    try:
+        rank.register()
+        rank.fill_block(0, 0, b"L" * 4096)
+        h = hashes(1, 3)
+        assert rank.save(h, [[0]], 16).written == 1
+        hit = rank.lookup(h, 17)  # the existence check takes a lease (1 s on this master)
+        assert hit.hit_tokens == 16
+        geo = Geometry.of(Layout("org/Lease", (GroupSpec(Kind.FULL_ATTENTION, 16),)))
+        key = block_key(geo.groups[0].prefix, h[0])
+        assert other.remove([key], force=False) == [StoreCode.LEASED]  # eviction cannot take it either
+        assert not rank.load(h, [[1]], hit).failures
+        assert rank.block(0, 1) == b"L" * 4096
+        time.sleep(1.5)  # the lease (renewed by the load's read) runs out
+        assert other.remove([key], force=False) == [StoreCode.OK]
+        late = rank.load(h, [[2]], hit)  # a load after the value is gone says so, and writes nothing
+        assert [(f.block_id, f.reason) for f in late.failures] == [(2, "not_found")]
+        assert rank.block(0, 2) == bytes(4096)
+    finally:
+        rank.close()
+        assert daemon.stop() == 0
+
+
+def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_master, tmp_path):
+    node = StorageNode(own_master.address, tmp_path).start()
+    daemon_args = ("--segment-size", "0")  # the storage node holds the data, so it outlives the daemon
+    daemon = DaemonProcess(tmp_path, master=own_master.address, extra=daemon_args).start()
+    kv = shared_tensor((64, 16, 512), torch.float32)  # 32 KiB blocks
+    client = SidecarClient.connect(
+        daemon.target, model="org/Crash", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
+        groups=[ClientGroup("full_attention", block_size=16)],
+    )  # fmt: skip
+    try:
+        client.register([kv], groups_of_tensor=[(0,)])
+        for b in range(64):
+            kv[b].fill_(float(b + 1))
+        early = hashes(8, 4)
+        assert client.save(early, [list(range(8))], 128).result(timeout=30).written == 8
+        before = client.lookup(early, 129)
+        assert before.hit_tokens == 128
+        late = hashes(48, 5)
+        job = client.save(late, [list(range(8, 56))], 48 * 16)
+        daemon.kill()  # -9, possibly in the middle of that save
+        started = time.monotonic()
+        with contextlib.suppress(DaemonUnavailable):  # a save may also have completed before the kill: both fine
+            job.result(timeout=30)
+        assert time.monotonic() - started < 30
+        miss = client.lookup(early, 129)
+        assert miss.hit_tokens == 0 and miss.degraded  # fails fast while the daemon is down
+        with pytest.raises(DaemonUnavailable):
+            client.load(early, [list(range(56, 64))], before)
+
+        daemon = DaemonProcess(tmp_path, master=own_master.address, extra=daemon_args).start()
+        deadline = time.monotonic() + 30
+        while (hit := client.lookup(early, 129)).hit_tokens != 128:
+            assert time.monotonic() < deadline, f"no reconnect: {hit}"
+            time.sleep(0.3)
+        kv[56:64].zero_()
+        assert client.load(early, [list(range(56, 64))], hit) == set()
+        assert all(bool((kv[56 + i] == float(i + 1)).all()) for i in range(8))
+    finally:
+        client.close()
+        daemon.stop()
+        node.stop()
+
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
+    client = SidecarClient.connect(sys.argv[1], model="org/Doomed", layout=EngineLayout(), num_kv_heads=1,
+                                   hash_block_size=16, groups=[GroupSpec("mla", block_size=16)])
+    kv = shared_tensor((32, 16, 64), torch.float32)
+    client.register([kv], groups_of_tensor=[(0,)])
+    print("registered", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address).start()  # --session-ttl 3
+    survivor = SidecarClient.connect(  # a live rank: its client keeps its lease
+        daemon.target, model="org/Survivor", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
+        groups=[ClientGroup("mla", block_size=16)],
+    )  # fmt: skip
+    kv = shared_tensor((4, 16, 16), torch.float32)
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", RANK_SCRIPT, daemon.target], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        survivor.register([kv], groups_of_tensor=[(0,)])
+        assert doomed.stdout is not None and doomed.stdout.readline().strip() == b"registered"
+        assert metric(daemon, 'kvsidecar_sessions{role="rank"}') == 2
+        survivor_bytes = kv.numel() * 4
+        doomed_bytes = 32 * 16 * 64 * 4
+        assert metric(daemon, "kvsidecar_registered_region_bytes") == survivor_bytes + doomed_bytes
+        os.kill(doomed.pid, 9)
+        doomed.wait(10)
+        deadline = time.monotonic() + 10  # the lease is 3 s, housekeeping runs every second
+        while metric(daemon, 'kvsidecar_sessions{role="rank"}') != 1:
+            assert time.monotonic() < deadline, daemon.log()[-2000:]
+            time.sleep(0.3)
+        assert metric(daemon, "kvsidecar_registered_region_bytes") == survivor_bytes
+        kv.fill_(3.0)
+        h = hashes(1, 6)
+        assert survivor.save(h, [[0]], 16).result(timeout=30).written == 1
+        assert survivor.lookup(h, 17).hit_tokens == 16
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+        survivor.close()
+        assert daemon.stop() == 0
