@@ -233,7 +233,19 @@ class Daemon:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             await loop.run_in_executor(None, self.service.sessions.expire)
+            if self.master is not None and not self.master.alive():
+                self._restart_master()
             await self._check_store()
+
+    def _restart_master(self) -> None:
+        # On the event loop's thread on purpose (see _start_master); a restart takes a fraction of a second.
+        log.error("embedded mooncake_master (PID %s) died: restarting it on %s", self.master.pid, self.master_address)
+        try:
+            self.master.restart()
+        except Exception as exc:
+            log.error("could not restart the embedded master (next try in %.0f s): %s", HOUSEKEEPING_INTERVAL_S, exc)
+            return
+        log.info("embedded mooncake_master restarted as PID %s; its store starts empty", self.master.pid)
 
     def _release(self, session: Any) -> None:
         assert self.service is not None

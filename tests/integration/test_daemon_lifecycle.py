@@ -172,3 +172,41 @@ def test_a_daemon_killed_outright_takes_its_embedded_master_along(tmp_path):
     while any(alive(pid) for pid in masters) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in masters), "an orphaned mooncake_master survived its daemon"
+
+
+def test_the_embedded_master_is_restarted_when_it_dies(tmp_path):
+    port = free_port()
+    sock = tmp_path / "s.sock"
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar", "serve", "--socket", str(sock), "--session-ttl", "30",
+             "--metrics-address", f"127.0.0.1:{port}", "--segment-size", "64MiB"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while "ready:" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        (first,) = children(proc.pid)
+        rank = RawRank(f"unix://{sock}", open_request([group("mla", 16)], model="org/Supervised"), 4, 1024)
+        rank.register()
+        os.kill(first, 9)
+        deadline = time.monotonic() + 30
+        while "restarted as PID" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        assert first not in children(proc.pid) and children(proc.pid)
+        # The store reconnects by itself; the next saves land in the new master.
+        rank.fill_block(0, 0, b"m" * 1024)
+        deadline = time.monotonic() + 30
+        while rank.save(H[:1], [[0]], 16).written != 1:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert rank.lookup(H[:1], 17).hit_tokens == 16
+    finally:
+        if rank is not None:
+            rank.close()
+        assert stop_pid(proc, timeout=30) == 0, log.read_text()[-3000:]
