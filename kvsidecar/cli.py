@@ -132,6 +132,26 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=_status)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kvsidecar.demo import run
+
+    return run(args)
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvsidecar.demo import add_arguments
+
+    p = sub.add_parser(
+        "demo",
+        help="save and load a prompt with simulated ranks, checking every byte",
+        description="Simulated ranks of a small hybrid model (MLA + sliding window + Mamba) save a prompt, clear "
+        "their cache and load it back through the daemon at --socket (or one started for the demo if none answers "
+        "there), checking every byte. Exit 0 only with zero mismatches and zero failed loads.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
     parser = argparse.ArgumentParser(prog="kvsidecar", description="Node-local KV-cache store daemon.")
@@ -140,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_status(sub)
     _add_layout(sub)
+    _add_demo(sub)
     return parser
 
 

@@ -1,0 +1,71 @@
+"""End-to-end fixtures: one real daemon and a pool of rank processes for the whole session, started on first use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvsidecar.placement import Layout
+from kvsidecar_client import SidecarClient
+from support.e2e_engine import SimEngine, TensorSpec, scheduler
+from support.e2e_rank import RankProcess
+from support.processes import DaemonProcess
+
+NUM_RANK_PROCESSES = 4  # the widest engine of the scenarios
+
+
+@pytest.fixture(scope="session")
+def e2e_daemon(mooncake_master, tmp_path_factory) -> Iterator[DaemonProcess]:
+    """A real `kvsidecar serve` process on the session's master."""
+    daemon = DaemonProcess(tmp_path_factory.mktemp("e2e-daemon"), master=mooncake_master.address).start()
+    yield daemon
+    assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.fixture(scope="session")
+def rank_procs(request, tmp_path_factory) -> Iterator[list[RankProcess]]:
+    """Rank processes shared by every scenario (each opens its own sessions and tensors in them).
+
+    Starting a process costs 1-3 s (torch), so scenarios reuse them; one scenario's rank i is process i.
+    """
+    workdir = tmp_path_factory.mktemp("e2e-ranks")
+    procs = [RankProcess.start(workdir, f"rank{i}") for i in range(NUM_RANK_PROCESSES)]
+    try:
+        request.getfixturevalue("e2e_daemon")  # start the daemon while the ranks import torch
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture
+def engines(rank_procs, e2e_daemon) -> Iterator[Callable[[Layout, list[TensorSpec]], SimEngine]]:
+    """Open a simulated engine (every rank registered) on the shared rank processes; closed after the test."""
+    opened: list[SimEngine] = []
+
+    def make(layout: Layout, tensors: list[TensorSpec]) -> SimEngine:
+        engine = SimEngine(rank_procs, e2e_daemon.target, layout, tensors).open()
+        opened.append(engine)
+        return engine
+
+    yield make
+    for engine in opened:
+        engine.close()
+
+
+@pytest.fixture
+def schedulers(e2e_daemon) -> Iterator[Callable[[Layout], SidecarClient]]:
+    """Open a scheduler session (lookups only) for an engine layout; closed after the test."""
+    opened: list[SidecarClient] = []
+
+    def make(layout: Layout) -> SidecarClient:
+        client = scheduler(e2e_daemon.target, layout)
+        opened.append(client)
+        return client
+
+    yield make
+    for client in opened:
+        client.close()
