@@ -1,0 +1,231 @@
+"""The connector's scheduler side: lookups, and each step's plan of loads and saves for the workers.
+
+It runs in vLLM's scheduler process with a `scheduler`-role session (lookups only, no memory). Everything here is
+bookkeeping over vLLM's request and block state; the worker side moves the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsidecar_client.client import SidecarClient
+from kvsidecar_client.errors import SidecarError
+from kvsidecar_client.results import Hit
+from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
+from kvsidecar_client.vllm.plan import Shape, check_save, load_block_ids
+from kvsidecar_client.vllm.specs import EngineGroups
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kvsidecar_client.vllm")
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side remembers about one request between vLLM's calls."""
+
+    request: Any
+    lookup_start: int = 0
+    hit: Hit | None = None
+    saved_tokens: int = 0
+    had_saves: bool = False
+    loading: bool = False
+    known_blocks: frozenset[int] = field(default_factory=frozenset)
+
+
+class SchedulerSide:
+    """Lookups for vLLM's scheduler and the metadata its workers act on; one per engine."""
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        groups: EngineGroups,
+        shape: Shape,
+        *,
+        eagle: bool = False,
+        load: bool = True,
+        save: bool = True,
+    ) -> None:
+        self._client = client
+        self._groups = groups
+        self._shape = shape
+        self._eagle = eagle
+        self._load = load
+        self._save = save
+        self._recurrent = any(g.recurrent for g in shape.groups)
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._delayed_saves: set[str] = set()
+        self._manager: Any = None
+        self._null_block = 0
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        """vLLM's KV-cache manager: the live block table of every request, and the id of its null block."""
+        self._manager = manager
+        self._null_block = int(manager.block_pool.null_block.block_id)
+
+    # ---- admission ----
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens past `num_computed_tokens` the store can serve; loaded asynchronously when there are any."""
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = self._tracked[request.request_id] = _Tracked(request)
+        tracked.hit = None
+        # A request admitted again (after a preemption) holds none of the blocks it held before.
+        tracked.known_blocks = frozenset()
+        if not self._load:
+            return 0, False
+        u = self._shape.unit
+        hashes = list(request.block_hashes[: request.num_tokens // u])
+        if len(hashes) * u <= num_computed_tokens:
+            return 0, False  # the store cannot beat the local prefix cache
+        try:
+            hit = self._client.lookup(hashes, request.num_tokens, eagle=self._eagle)
+        except SidecarError as error:
+            # A lookup is an optimization: a refused one is a miss, and the engine recomputes.
+            log.warning("kvsidecar lookup for request %s failed, treating it as a miss: %s", request.request_id, error)
+            return 0, False
+        if hit.hit_tokens <= num_computed_tokens:
+            return 0, False
+        tracked.hit = hit
+        tracked.lookup_start = num_computed_tokens
+        return hit.hit_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of a hit once vLLM has allocated the blocks it goes into."""
+        tracked = self._tracked.get(request.request_id)
+        if num_external_tokens <= 0 or tracked is None or tracked.hit is None:
+            return
+        hit, start = tracked.hit, tracked.lookup_start
+        tracked.hit = None
+        ids = self._groups.select(blocks.get_block_ids())
+        reads = load_block_ids(self._shape, ids, hit.hit_tokens, start)
+        refused = ""
+        if start + num_external_tokens != hit.hit_tokens:
+            # The daemon serves exactly the hit it found (its tail boundaries are for that length); a shorter
+            # load is not one it can do, so the whole range is recomputed instead.
+            refused = f"vLLM admitted {num_external_tokens} external tokens of the {hit.hit_tokens - start} found"
+        elif any(b == self._null_block for group in reads for b in group):
+            refused = "vLLM gave a null block to a block the load writes"
+        u = self._shape.unit
+        self._pending_loads.append(
+            LoadSpec(
+                req_id=request.request_id,
+                block_hashes=tuple(request.block_hashes[: max(hit.hit_tokens, *hit.tail_boundaries) // u]),
+                block_ids=tuple(tuple(g) for g in ids),
+                hit=hit,
+                start_tokens=start,
+                reads=tuple(tuple(g) for g in reads),
+                refused=refused,
+            )
+        )
+        tracked.loading = True
+
+    # ---- each step ----
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVSidecarMetadata:
+        """This step's loads and saves, and the blocks it may write (which saves still reading them must fence)."""
+        meta = KVSidecarMetadata(loads=self._pending_loads, delayed_saves=frozenset(self._delayed_saves))
+        self._pending_loads = []
+        self._delayed_saves = set()
+        reused: set[int] = set()
+        for load in meta.loads:
+            reused.update(b for group in load.reads for b in group)
+        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+            reused.add(int(copy.dst_block_id))
+        reused.update(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+        for req_id, computed in self._scheduled(scheduler_output):
+            tracked = self._tracked.get(req_id)
+            if tracked is None or self._manager is None:
+                continue
+            table = self._manager.get_block_ids(req_id)
+            blocks = frozenset(b for group in table for b in group if b != self._null_block)
+            reused.update(blocks - tracked.known_blocks)
+            tracked.known_blocks = blocks
+            ids = self._groups.select(table)
+            # Recurrent state is written in place by every step of its request.
+            for g, shape in enumerate(self._shape.groups):
+                if shape.recurrent:
+                    reused.update(b for b in ids[g] if b != self._null_block)
+            if self._save:
+                scheduled = scheduler_output.num_scheduled_tokens[req_id]
+                save = self._plan_save(tracked, ids, computed, scheduled, scheduler_output)
+                if save is not None:
+                    meta.saves.append(save)
+        reused.discard(self._null_block)
+        meta.reused_block_ids = frozenset(reused)
+        return meta
+
+    def _scheduled(self, scheduler_output: Any) -> Iterable[tuple[str, int]]:
+        """(request id, tokens computed before this step) of every request this step computes."""
+        for new in scheduler_output.scheduled_new_reqs:
+            yield new.req_id, new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        yield from zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+
+    def _plan_save(
+        self, tracked: _Tracked, ids: Sequence[Sequence[int]], computed: int, scheduled: int, scheduler_output: Any
+    ) -> SaveSpec | None:
+        request = tracked.request
+        u = self._shape.unit
+        # Tokens whose KV is final after this step: draft tokens are not (they may be rejected).
+        num_tokens = min(computed + scheduled, request.num_tokens, len(request.block_hashes) * u)
+        saved = tracked.saved_tokens
+        if num_tokens <= saved:
+            return None
+        if self._recurrent and num_tokens != computed + scheduled:
+            # Recurrent state after this step includes draft tokens: no state of this step is one to store.
+            tracked.saved_tokens = num_tokens
+            return None
+        check = check_save(self._shape, ids, num_tokens, saved, self._null_block)
+        tracked.saved_tokens = num_tokens
+        if not check.ok:
+            log.debug(
+                "kvsidecar: not saving request %s up to %d tokens: %s", request.request_id, num_tokens, check.reason
+            )
+            return None
+        if not check.chunks:
+            return None
+        tracked.had_saves = True
+        return SaveSpec(
+            req_id=request.request_id,
+            block_hashes=tuple(request.block_hashes[: num_tokens // u]),
+            block_ids=tuple(tuple(g) for g in ids),
+            num_tokens=num_tokens,
+            saved_tokens=saved,
+            reads=check.reads,
+        )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Loads the workers finished: their requests no longer hold blocks for the connector."""
+        for req_id in connector_output.finished_recving or ():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.loading = False
+
+    # ---- the end of a request ----
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Whether vLLM must keep the request's blocks until the workers report the connector is done with them.
+
+        A load in flight writes into them: vLLM frees them when the workers report it received. Saves in flight
+        read them: the workers report them sent once every save of the request is done.
+        """
+        req_id = request.request_id
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is None:
+            return False, None
+        if any(load.req_id == req_id for load in self._pending_loads):
+            # Planned but not yet sent to the workers: drop it, nothing writes into the blocks.
+            self._pending_loads = [load for load in self._pending_loads if load.req_id != req_id]
+            tracked.loading = False
+        if tracked.loading:
+            return True, None
+        if tracked.had_saves:
+            self._delayed_saves.add(req_id)
+            return True, None
+        return False, None

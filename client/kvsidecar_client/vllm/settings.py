@@ -1,0 +1,67 @@
+"""The connector's settings: `kv_connector_extra_config`, the one place they are read from."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsidecar_client.deadlines import Deadlines
+from kvsidecar_client.errors import InvalidRequest
+
+__all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings", "default_socket"]
+
+_KEYS = frozenset({"socket", "cache_prefix", "timeouts"})
+_TIMEOUTS = frozenset({"connect", "register", "save", "lookup", "load", "control"})
+# How much longer than a save's own deadline the worker waits for it before vLLM may reuse its blocks: past the
+# deadline the daemon starts no put and removes what it wrote late, so the blocks are free again.
+DEFAULT_WAIT_SLACK = 5.0
+
+
+def default_socket(env: Mapping[str, str] | None = None) -> str:
+    """The daemon's default socket: $XDG_RUNTIME_DIR/kvsidecar/kvsidecar.sock, else /tmp/kvsidecar-<uid>/...sock."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "kvsidecar" if runtime else Path("/tmp") / f"kvsidecar-{os.getuid()}"
+    return f"unix://{base / 'kvsidecar.sock'}"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What `kv_connector_extra_config` may say.
+
+    socket: the daemon's gRPC target (unix:///path, a bare /path, or host:port).
+    cache_prefix: the deployment's namespace in the store; deployments with different prefixes never share a key.
+    timeouts: per-call deadlines in seconds, any of connect, register, save, lookup, load, control.
+    """
+
+    socket: str = field(default_factory=default_socket)
+    cache_prefix: str = ""
+    deadlines: Deadlines = field(default_factory=Deadlines)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Parse `kv_connector_extra_config`; an unknown key or a bad value is an error, never ignored."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown kv_connector_extra_config keys for KVSidecarConnector: {unknown}; expected {sorted(_KEYS)}"
+            )
+        socket = extra.get("socket") or default_socket()
+        prefix = extra.get("cache_prefix", "")
+        if not isinstance(socket, str) or not isinstance(prefix, str):
+            raise InvalidRequest("kv_connector_extra_config: socket and cache_prefix must be strings")
+        timeouts = extra.get("timeouts") or {}
+        if not isinstance(timeouts, Mapping):
+            raise InvalidRequest(f"kv_connector_extra_config: timeouts must be an object, got {timeouts!r}")
+        bad = sorted(set(timeouts) - _TIMEOUTS)
+        if bad:
+            raise InvalidRequest(f"unknown timeouts {bad}; expected some of {sorted(_TIMEOUTS)}")
+        try:
+            deadlines = Deadlines(**{name: float(value) for name, value in timeouts.items()})
+        except (TypeError, ValueError) as error:
+            raise InvalidRequest(f"kv_connector_extra_config: bad timeouts {dict(timeouts)!r}: {error}") from None
+        return cls(socket=socket, cache_prefix=prefix, deadlines=deadlines)
