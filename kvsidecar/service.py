@@ -156,6 +156,7 @@ class SidecarService(pb_grpc.SidecarServicer):
                 striped_to_others=out.striped_to_others,
                 bytes_written=out.bytes_written,
                 failures=wire.failures(out.failures),
+                absent=out.absent,
             )
 
         return await self._call(context, "Save", self._data_pool, run)

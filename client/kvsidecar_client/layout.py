@@ -23,6 +23,7 @@ _SLIDING = frozenset({"sliding_window", "sliding_window_mla"})
 ROLES: dict[str, pb.Role] = {"rank": pb.ROLE_RANK, "scheduler": pb.ROLE_SCHEDULER}
 
 MAX_GROUPS = 64  # the contract's limit per session
+NO_BLOCK = 0xFFFF_FFFF  # a block id meaning "no block for this span": saves skip it, loads report it failed
 _U32 = 2**32 - 1
 
 
@@ -158,11 +159,8 @@ class SessionSpec:
         for index, group in enumerate(self.groups):
             if not isinstance(group, GroupSpec):
                 raise InvalidRequest(f"group {index} must be a GroupSpec, got {type(group).__name__}")
-            if group.block_size % self.hash_block_size:
-                raise InvalidRequest(
-                    f"group {index} ({group.kind}): block_size {group.block_size} is not a multiple of "
-                    f"hash_block_size {self.hash_block_size}"
-                )
+            # How block sizes must align with hash_block_size is a placement rule (spans under DCP): the daemon
+            # owns it and answers INVALID_ARGUMENT with the reason.
 
     @property
     def is_scheduler(self) -> bool:

@@ -31,6 +31,7 @@ class SaveResult(NamedTuple):
     striped_to_others: int
     bytes_written: int
     failures: tuple[FailedBlock, ...] = ()
+    absent: int = 0  # values this rank would write but had no block for (NO_BLOCK)
 
     @classmethod
     def from_proto(cls, message: pb.SaveResponse) -> SaveResult:
@@ -42,6 +43,7 @@ class SaveResult(NamedTuple):
             message.striped_to_others,
             message.bytes_written,
             _failures(message.failures),
+            message.absent,
         )
 
 

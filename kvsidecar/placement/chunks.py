@@ -9,6 +9,8 @@ from kvsidecar.placement.errors import InvalidRequest
 from kvsidecar.placement.geometry import Geometry, GroupGeometry, writes_chunk
 from kvsidecar.placement.keys import block_key
 
+NO_BLOCK = 0xFFFF_FFFF  # a span the engine holds no block for (vLLM's null block): never read, never written
+
 
 class Chunk(NamedTuple):
     """One value moved between a physical block and the store."""
@@ -25,6 +27,7 @@ class SavePlan(NamedTuple):
 
     chunks: tuple[Chunk, ...]
     others: int  # chunks of this save that another rank of the replication set writes
+    absent: int = 0  # chunks this rank would write but holds no block for (NO_BLOCK)
 
 
 def saved_boundaries(geo: Geometry, group: GroupGeometry, num_tokens: int) -> list[tuple[int, int]]:
@@ -57,7 +60,7 @@ def save_plan(
         )
     rank = geo.layout.parallel.tp_rank
     chunks: list[Chunk] = []
-    others = 0
+    others = absent = 0
     for group in geo.groups:
         ids = block_ids[group.index]
         for index, boundary in saved_boundaries(geo, group, num_tokens):
@@ -67,9 +70,12 @@ def save_plan(
                 others += 1
                 continue
             _check_index(group, ids, index)
+            if ids[index] == NO_BLOCK:
+                absent += 1
+                continue
             key = block_key(group.prefix, block_hashes[boundary // u - 1])
             chunks.append(Chunk(group.index, index, boundary, ids[index], key))
-    return SavePlan(tuple(chunks), others)
+    return SavePlan(tuple(chunks), others, absent)
 
 
 def load_plan(
@@ -83,7 +89,8 @@ def load_plan(
     """The chunks this rank reads to serve hit_tokens, every one from its own namespace (never striped).
 
     Blocks that end at or before start_tokens are already in the engine and are not read. The block that
-    contains the hit end is read under its tail boundary, exactly as the lookup reported it.
+    contains the hit end is read under its tail boundary, exactly as the lookup reported it. A chunk whose block
+    id is NO_BLOCK stays in the plan: the engine has nowhere to put it, so the load must report it failed.
     """
     u = geo.layout.hash_block_size
     _check_groups(geo, block_ids)

@@ -154,10 +154,12 @@ class Layout:
         if not self.groups:
             raise InvalidLayout("a layout needs at least one KV-cache group")
         for index, group in enumerate(self.groups):
-            if group.block_size % self.hash_block_size:
+            # What must align with U is the span: under DCP an attention block covers block_size * D tokens.
+            span = group.block_size if group.recurrent else group.block_size * self.parallel.dcp_size
+            if span % self.hash_block_size:
                 raise InvalidLayout(
-                    f"group {index} ({group.describe()}): block_size {group.block_size} is not a multiple "
-                    f"of hash_block_size {self.hash_block_size}"
+                    f"group {index} ({group.describe()}): a block spans {span} tokens (block_size "
+                    f"{group.block_size}), not a multiple of hash_block_size {self.hash_block_size}"
                 )
         tp, heads = self.parallel.tp_size, self.num_kv_heads
         if any(g.gqa for g in self.groups) and heads % tp and tp % heads:

@@ -236,20 +236,22 @@ class SaveRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("written", "skipped", "failed", "striped_to_others", "bytes_written", "failures")
+    __slots__ = ("written", "skipped", "failed", "striped_to_others", "bytes_written", "failures", "absent")
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     STRIPED_TO_OTHERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
     written: int
     skipped: int
     failed: int
     striped_to_others: int
     bytes_written: int
     failures: _containers.RepeatedCompositeFieldContainer[FailedBlock]
-    def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., striped_to_others: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ...) -> None: ...
+    absent: int
+    def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., striped_to_others: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ..., absent: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "block_hashes", "num_tokens", "eagle")

@@ -56,9 +56,9 @@ def test_connect_gives_up_after_its_deadline(absent):
 
 
 def test_connect_refuses_a_bad_layout_before_any_io(absent):
-    with pytest.raises(InvalidRequest, match="block_size 16 is not a multiple of hash_block_size 32"):
+    with pytest.raises(InvalidRequest, match="must not contain '@'"):
         SidecarClient.connect(
-            absent, model="org/Model", layout=EngineLayout(), num_kv_heads=1, hash_block_size=32, groups=GROUPS
+            absent, model="org/a@b", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16, groups=GROUPS
         )
 
 

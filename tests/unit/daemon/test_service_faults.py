@@ -183,3 +183,15 @@ def test_a_save_that_outlives_its_deadline_leaves_nothing_to_serve(daemon, store
     store.set_fault(None)
     assert store.keys() == []
     assert rank.lookup(H[:4], 65).hit_tokens == 0
+
+
+def test_no_block_spans_are_absent_from_saves_and_failed_in_loads(daemon, store, rank):
+    no_block = 2**32 - 1
+    out = rank.save(H[:4], [[0, 1, 2, 3], [no_block, no_block, no_block, 3]], 64)
+    assert (out.written, out.absent, out.failed) == (5, 3, 0)
+    hit = rank.lookup(H[:4], 65)
+    assert hit.hit_tokens == 64  # the state at 64 was kept; the earlier ones are not needed for this hit
+    loaded = rank.load(H[:4], [[4, 5, 6, 7], [no_block] * 4], hit)
+    assert [(f.group, f.block_id, f.reason) for f in loaded.failures] == [(1, no_block, "no_block")]
+    assert loaded.loaded == 4
+    assert daemon.sample("kvsidecar_load_failed_blocks_total", {"group_kind": "mamba", "reason": "no_block"}) == 1

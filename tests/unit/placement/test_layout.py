@@ -87,7 +87,10 @@ MLA = (GroupSpec(Kind.MLA, 16),)
         ({"num_kv_heads": 0}, "num_kv_heads must be >= 1"),
         ({"hash_block_size": 0}, "hash_block_size must be >= 1"),
         ({"groups": ()}, "at least one KV-cache group"),
-        ({"groups": (GroupSpec(Kind.MLA, 24),)}, "block_size 24 is not a multiple of hash_block_size 16"),
+        (
+            {"groups": (GroupSpec(Kind.MLA, 24),)},
+            r"spans 24 tokens \(block_size 24\), not a multiple of hash_block_size 16",
+        ),
         (
             {
                 "groups": (GroupSpec(Kind.FULL_ATTENTION, 16),),
@@ -110,3 +113,11 @@ def test_heads_need_not_divide_tp_without_gqa_groups():
 
 def test_invalid_layout_is_a_value_error():
     assert issubclass(InvalidLayout, ValueError)
+
+
+def test_spans_not_block_sizes_must_align_with_u():
+    # vLLM under DCP hashes every block_size * D tokens: attention blocks of 16 tokens at D=4 span 64.
+    par = Parallel(tp_size=4, dcp_size=4)
+    Layout("m", (GroupSpec(Kind.FULL_ATTENTION, 16),), par, num_kv_heads=4, hash_block_size=64)
+    with pytest.raises(InvalidLayout, match="group 1 \\(mamba\\): a block spans 16 tokens"):
+        Layout("m", (GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16)), par, 4, 64)

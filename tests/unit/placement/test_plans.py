@@ -134,3 +134,22 @@ def test_bad_save_and_load_requests():
         lookup_plan(geo, H[:5], 64)
     with pytest.raises(InvalidRequest, match="num_tokens must be >= 0"):
         lookup_plan(geo, [], -1)
+
+
+def test_no_block_spans_are_skipped_by_saves_and_kept_by_loads():
+    from kvsidecar.placement import NO_BLOCK
+
+    geo = geo_of(GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16))
+    # vLLM keeps Mamba state only where a step ended: null blocks elsewhere.
+    plan = save_plan(geo, H, [[0, 1, 2, 3], [NO_BLOCK, 5, NO_BLOCK, 7]], 64)
+    assert [(c.group, c.span_index, c.block_id) for c in plan.chunks] == [
+        (0, 0, 0),
+        (0, 1, 1),
+        (0, 2, 2),
+        (0, 3, 3),
+        (1, 1, 5),
+        (1, 3, 7),
+    ]
+    assert (plan.others, plan.absent) == (0, 2)
+    chunks = load_plan(geo, H, [[0, 1, 2, 3], [NO_BLOCK] * 4], 64, (64, 64))
+    assert chunks[-1].block_id == NO_BLOCK  # the load must say it failed, not silently skip it
