@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
-from kvsidecar.placement import NO_BLOCK, Chunk, Hit, compute_hit, load_plan, lookup_plan, save_plan
+from kvsidecar.placement import KEY_TAIL_PATTERN, NO_BLOCK, Chunk, Hit, compute_hit, load_plan, lookup_plan, save_plan
 from kvsidecar.session import Session
 from kvsidecar.store import Presence, Store, StoreCode, StoreError
 
@@ -243,9 +243,10 @@ class DataPath:
         """Remove every block of the session's model under its cache prefix, and nothing else."""
         layout = session.layout
         head = f"{layout.cache_prefix}@" if layout.cache_prefix else ""
-        # The '@tp_rank:' suffix keeps an unprefixed reset of model "m" off tenant "m"'s keys ("m@m@tp_rank:...").
+        # The rest of the key must have exactly the key format's shape: a reset of model "a" without a prefix must
+        # not sweep tenant "a"'s model "tp_rank:X" ("a@tp_rank:X@tp_rank:0@...") along.
         with self._timed("remove"):
-            return self.store.remove_prefix(f"{head}{layout.model_key}@tp_rank:")
+            return self.store.remove_prefix(f"{head}{layout.model_key}@", KEY_TAIL_PATTERN)
 
     def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
         """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from kvsidecar.placement import PlacementError
+from kvsidecar.store.codes import StoreCode, StoreError
 
 
 class RequestError(Exception):
@@ -43,10 +44,22 @@ class ShuttingDown(RequestError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+MAX_REASON_CHARS = 2048  # reasons may quote client input; gRPC clients refuse trailers past 16 KiB
+
+
 def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code and reason a failed request answers with."""
     if isinstance(exc, RequestError):
-        return exc.code, str(exc)
-    if isinstance(exc, PlacementError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        code, reason = exc.code, str(exc)
+    elif isinstance(exc, PlacementError):
+        code, reason = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    elif isinstance(exc, StoreError):
+        # The store refusing the request's own values is the request's fault; anything else is the store's.
+        bad = exc.code is StoreCode.INVALID_PARAMS
+        code = grpc.StatusCode.INVALID_ARGUMENT if bad else grpc.StatusCode.UNAVAILABLE
+        reason = f"store: {exc}"
+    else:
+        code, reason = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 20] + " ... (reason cut)"
+    return code, reason

@@ -10,12 +10,13 @@ import ctypes
 import mmap
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvsidecar.errors import BadRequest
+from kvsidecar.errors import BadRequest, Forbidden
 
 SHM_DIR = "/dev/shm"
 MAX_REGIONS = 4096
@@ -27,6 +28,10 @@ class Mapping(Protocol):
 
     address: int
     size: int
+    identity: tuple[object, ...]  # the same memory has the same identity, whatever name reached it
+
+    def check(self) -> None:
+        """Raise BadRequest if the memory can no longer be used safely."""
 
     def close(self) -> None:
         """Unmap; the address is invalid afterwards."""
@@ -37,28 +42,49 @@ class ShmMapping:
 
     def __init__(self, name: str, size: int, shm_dir: str = SHM_DIR) -> None:
         if not _SHM_NAME.fullmatch(name.lstrip("/")) or name.lstrip("/") in (".", ".."):
-            raise BadRequest(f"shared-memory name {name!r} is not a plain segment name")
+            raise BadRequest(f"shared-memory name {_clip(name)!r} is not a plain segment name")
         path = os.path.join(shm_dir, name.lstrip("/"))
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise BadRequest(f"cannot open shared memory {name!r}: {exc.strerror}") from None
         try:
-            actual = os.fstat(fd).st_size
-            if size > actual:
-                raise BadRequest(f"shared memory {name!r} has {actual} bytes, region claims {size}")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadRequest(f"shared memory {name!r} is not a regular segment")
+            if size > st.st_size:
+                raise BadRequest(f"shared memory {name!r} has {st.st_size} bytes, region claims {size}")
+            # Give every page its backing now: touching a hole of a sparse segment on a full /dev/shm is a SIGBUS.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise BadRequest(f"cannot back shared memory {name!r} with {size} bytes: {exc.strerror}") from None
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        # Kept open to notice a segment shrunk behind the daemon's back before the next transfer touches it.
+        self._fd = fd
         self._view = (ctypes.c_char * size).from_buffer(self._mm)
         self.address = ctypes.addressof(self._view)
         self.size = size
         self.name = name
+        self.identity = ("shm", st.st_dev, st.st_ino)
+
+    def check(self) -> None:
+        """Refuse a segment that shrank since registration: its missing pages would crash the daemon (SIGBUS)."""
+        now = os.fstat(self._fd).st_size
+        if now < self.size:
+            raise BadRequest(
+                f"shared memory {self.name!r} shrank to {now} bytes after registration ({self.size} mapped): "
+                "this session's memory cannot be used any more"
+            )
 
     def close(self) -> None:
         """Unmap the segment (the engine owns and unlinks it)."""
         del self._view
         self._mm.close()
+        os.close(self._fd)
 
 
 class CudaIpcMapping:
@@ -96,6 +122,10 @@ class CudaIpcMapping:
             raise BadRequest(f"cannot open CUDA IPC handle: {exc}") from None
         self.address = int(self._tensor.data_ptr())
         self.size = size
+        self.identity = ("cuda", handle.device, bytes(handle.handle), handle.storage_offset)
+
+    def check(self) -> None:
+        """CUDA allocations cannot shrink under an open IPC handle."""
 
     def close(self) -> None:
         """Drop the reference; torch closes the IPC handle when the last one goes."""
@@ -171,23 +201,41 @@ class SessionMemory:
                 self.groups[g].append(region)
         self.value_bytes = [sum(r.block_bytes for r in regions) for regions in self.groups]
         self.mapped_bytes = sum(m.size for m in self.mappings.values())
+        # Per group, computed once: a save or load asks for one address per region for every block it moves
+        # (61 regions x hundreds of blocks for an MLA model), so this is the data path's innermost loop.
+        self._blocks_in_group = [min(r.num_blocks for r in regions) for regions in self.groups]
+        self._bases = [[r.mapping.address + r.offset for r in regions] for regions in self.groups]
+        self._strides = [[r.stride for r in regions] for regions in self.groups]
+        self._stride = [_common(strides) for strides in self._strides]
+        self._sizes = [tuple(r.block_bytes for r in regions) for regions in self.groups]
 
     def buffers(self, group: int, block_id: int) -> tuple[list[int], list[int]]:
         """Addresses and sizes of a block's slices in every region of its group (one stored value)."""
-        regions = self.groups[group]
-        for i, region in enumerate(regions):
+        if not 0 <= block_id < self._blocks_in_group[group]:
+            self._out_of_bounds(group, block_id)
+        stride = self._stride[group]
+        if stride is not None:
+            offset = block_id * stride
+            addresses = [base + offset for base in self._bases[group]]
+        else:
+            addresses = [base + block_id * s for base, s in zip(self._bases[group], self._strides[group], strict=True)]
+        return addresses, list(self._sizes[group])
+
+    def _out_of_bounds(self, group: int, block_id: int) -> None:
+        for i, region in enumerate(self.groups[group]):
             if not 0 <= block_id < region.num_blocks:
                 raise BadRequest(
                     f"group {group}: block id {block_id} is outside region {i} of the group "
                     f"({region.num_blocks} blocks)"
                 )
-        return [r.address(block_id) for r in regions], [r.block_bytes for r in regions]
 
     def acquire(self) -> None:
-        """Hold the mappings for a store call; raises once the session is closing."""
+        """Hold the mappings for a store call; raises once the session is closing or its memory became unsafe."""
         with self._lock:
             if self._closed:
                 raise BadRequest("the session's memory is being released")
+            for m in self.mappings.values():
+                m.check()
             self._in_flight += 1
 
     def release(self) -> None:
@@ -208,6 +256,44 @@ class SessionMemory:
             if unregister is not None:
                 unregister(m.address)
             m.close()
+
+
+def _common(values: Sequence[int]) -> int | None:
+    """The one value all of values share, else None."""
+    first = values[0] if values else None
+    return first if all(v == first for v in values) else None
+
+
+class MappingOwners:
+    """Which session maps which memory: a session may only register memory no other live session has."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: dict[tuple[object, ...], str] = {}
+
+    def claim(self, session_id: str, memory: SessionMemory) -> None:
+        """Record the session as owner of its mappings, or raise Forbidden if another session owns one."""
+        with self._lock:
+            for m in memory.mappings.values():
+                owner = self._owner.get(m.identity)
+                if owner is not None and owner != session_id:
+                    raise Forbidden(
+                        f"memory {getattr(m, 'name', m.identity[0])!r} is registered by another session: "
+                        "a session registers only memory of its own"
+                    )
+            for m in memory.mappings.values():
+                self._owner[m.identity] = session_id
+
+    def release(self, session_id: str, memory: SessionMemory) -> None:
+        """Forget the session's claims."""
+        with self._lock:
+            for m in memory.mappings.values():
+                if self._owner.get(m.identity) == session_id:
+                    del self._owner[m.identity]
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_spec(i: int, spec: RegionSpec, num_groups: int) -> None:

@@ -18,7 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvsidecar import __version__, notify
+from kvsidecar import __version__, notify, wire
 from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.config import Config, parse_address
 from kvsidecar.datapath import DataPath
@@ -26,7 +26,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
 from kvsidecar.session import SessionRegistry
 from kvsidecar.store import Store
-from kvsidecar_client.proto import sidecar_pb2, sidecar_pb2_grpc
+from kvsidecar_client.proto import sidecar_pb2
 
 log = logging.getLogger("kvsidecar")
 
@@ -67,7 +67,7 @@ def _server(service: SidecarService, health: health_aio.HealthServicer, config: 
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, **kw)
-    sidecar_pb2_grpc.add_SidecarServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((wire.sidecar_handlers(service),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
@@ -219,7 +219,7 @@ class Daemon:
 
     async def _check_store(self) -> None:
         assert self.service is not None and self._health is not None
-        health = await asyncio.get_running_loop().run_in_executor(None, self.service.store.health)
+        health = await asyncio.get_running_loop().run_in_executor(None, self.service.refresh_health)
         self.metrics.store_healthy.set(1 if health.healthy else 0)
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING

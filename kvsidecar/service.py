@@ -13,8 +13,8 @@ import grpc
 
 from kvsidecar import __version__, wire
 from kvsidecar.datapath import DataPath
-from kvsidecar.errors import Forbidden, OutOfOrder, ShuttingDown, grpc_status
-from kvsidecar.memory import SessionMemory
+from kvsidecar.errors import BadRequest, Forbidden, OutOfOrder, ShuttingDown, UnknownSession, grpc_status
+from kvsidecar.memory import MappingOwners, SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import Role, Session, SessionRegistry
 from kvsidecar.store import Store, StoreHealth
@@ -43,6 +43,10 @@ class SidecarService(pb_grpc.SidecarServicer):
         self.metrics = metrics
         self.master_address = master_address
         self._store_health = store_health or datapath.store.health
+        # KeepAlive and Stats answer from this, refreshed by the daemon's housekeeping: asking a slow master on
+        # the event loop would stall every tenant's requests.
+        self.health = StoreHealth(False, "not checked yet")
+        self.owners = MappingOwners()
         self._started = time.monotonic()
         # Lookups are on the scheduler's critical path: they never queue behind a big save or load.
         self._data_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data")
@@ -100,45 +104,51 @@ class SidecarService(pb_grpc.SidecarServicer):
                 daemon_version=__version__,
             )
 
-        return await self._call(context, "OpenSession", self._lookup_pool, run)
+        return await self._call(context, "OpenSession", self._lookup_pool, run, request)
 
     async def RegisterMemory(self, request: pb.RegisterMemoryRequest, context: Any) -> pb.RegisterMemoryResponse:
         def run() -> pb.RegisterMemoryResponse:
-            session = self.sessions.get(request.session_id)
-            if session.role is not Role.RANK:
-                raise Forbidden("a scheduler session cannot register memory")
-            specs = wire.region_specs(request.regions)
-            with session.lock:
-                if session.memory is not None:
-                    raise OutOfOrder("memory is already registered for this session (once per session)")
+            with self.sessions.use(request.session_id) as session:
+                if session.role is not Role.RANK:
+                    raise Forbidden("a scheduler session cannot register memory")
+                specs = wire.region_specs(request.regions)
+                with session.lock:
+                    if session.memory is not None:
+                        raise OutOfOrder("memory is already registered for this session (once per session)")
                 memory = SessionMemory(specs, len(session.layout.groups))
-                registered: list[int] = []
                 try:
+                    self.owners.claim(session.id, memory)
                     for m in memory.mappings.values():
                         self.store.register_buffer(m.address, m.size)
-                        registered.append(m.address)
+                    with session.lock:
+                        # A CloseSession may have released the session while its memory was being mapped.
+                        if session.closed:
+                            raise UnknownSession("the session was closed while its memory was being registered")
+                        if session.memory is not None:
+                            raise OutOfOrder("memory is already registered for this session (once per session)")
+                        session.memory = memory
                 except BaseException:
+                    self.owners.release(session.id, memory)
                     memory.close(self._unregister_quietly)
                     raise
-                session.memory = memory
             self.metrics.regions_bytes.inc(memory.mapped_bytes)
             return pb.RegisterMemoryResponse(mapped_bytes=memory.mapped_bytes, value_bytes=memory.value_bytes)
 
-        return await self._call(context, "RegisterMemory", self._lookup_pool, run)
+        return await self._call(context, "RegisterMemory", self._lookup_pool, run, request)
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
         def run() -> pb.KeepAliveResponse:
             self.sessions.get(request.session_id)
-            return pb.KeepAliveResponse(lease_ms=int(self.sessions.ttl * 1000), store_healthy=self._healthy())
+            return pb.KeepAliveResponse(lease_ms=int(self.sessions.ttl * 1000), store_healthy=self.health.healthy)
 
-        return await self._call(context, "KeepAlive", None, run)
+        return await self._call(context, "KeepAlive", None, run, request)
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
         def run() -> pb.CloseSessionResponse:
             self.sessions.close(request.session_id)
             return pb.CloseSessionResponse()
 
-        return await self._call(context, "CloseSession", self._data_pool, run)
+        return await self._call(context, "CloseSession", self._data_pool, run, request)
 
     async def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:
         remaining = context.time_remaining()
@@ -159,7 +169,7 @@ class SidecarService(pb_grpc.SidecarServicer):
                 absent=out.absent,
             )
 
-        return await self._call(context, "Save", self._data_pool, run)
+        return await self._call(context, "Save", self._data_pool, run, request)
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
@@ -170,7 +180,7 @@ class SidecarService(pb_grpc.SidecarServicer):
                 hit_tokens=out.hit.tokens, tail_boundaries=out.hit.tails, degraded=out.degraded, detail=out.detail
             )
 
-        return await self._call(context, "Lookup", self._lookup_pool, run)
+        return await self._call(context, "Lookup", self._lookup_pool, run, request)
 
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
         def run() -> pb.LoadResponse:
@@ -184,18 +194,18 @@ class SidecarService(pb_grpc.SidecarServicer):
                 loaded=out.loaded, bytes_loaded=out.bytes_loaded, failures=wire.failures(out.failures)
             )
 
-        return await self._call(context, "Load", self._data_pool, run)
+        return await self._call(context, "Load", self._data_pool, run, request)
 
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         def run() -> pb.ResetResponse:
             with self.sessions.use(request.session_id) as session:
                 return pb.ResetResponse(removed=self.datapath.reset(session))
 
-        return await self._call(context, "Reset", self._data_pool, run)
+        return await self._call(context, "Reset", self._data_pool, run, request)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         def run() -> pb.StatsResponse:
-            health = self._store_health()
+            health = self.health
             now = time.monotonic()
             counters = {
                 s.name: s.value
@@ -213,14 +223,18 @@ class SidecarService(pb_grpc.SidecarServicer):
                 counters=counters,
             )
 
-        return await self._call(context, "Stats", self._lookup_pool, run)
+        return await self._call(context, "Stats", self._lookup_pool, run, request)
 
     def release(self, session: Session) -> None:
         """Release a closed or expired session's memory (registry callback)."""
         self.metrics.sessions.labels(session.role.value).dec()
-        if session.memory is not None:
-            self.metrics.regions_bytes.dec(session.memory.mapped_bytes)
-            session.memory.close(self._unregister_quietly)
+        with session.lock:
+            session.closed = True
+            memory, session.memory = session.memory, None
+        if memory is not None:
+            self.metrics.regions_bytes.dec(memory.mapped_bytes)
+            self.owners.release(session.id, memory)
+            memory.close(self._unregister_quietly)
 
     def _unregister_quietly(self, address: int) -> None:
         # Unregistering is best-effort cleanup of a mapping that is going away anyway; the store may be down.
@@ -229,11 +243,17 @@ class SidecarService(pb_grpc.SidecarServicer):
         except Exception as exc:
             log.warning("could not unregister buffer %#x from the store: %s", address, exc)
 
-    def _healthy(self) -> bool:
-        return self._store_health().healthy
+    def refresh_health(self) -> StoreHealth:
+        """Ask the store how it is (blocking; the daemon does it once a second off the event loop)."""
+        self.health = self._store_health()
+        return self.health
 
-    async def _call(self, context: Any, method: str, pool: ThreadPoolExecutor | None, fn: Callable[[], T]) -> T:
+    async def _call(
+        self, context: Any, method: str, pool: ThreadPoolExecutor | None, fn: Callable[[], T], request: Any
+    ) -> T:
         try:
+            if isinstance(request, wire.Undecodable):
+                raise BadRequest(str(request))
             if self._stopping:
                 raise ShuttingDown("the daemon is shutting down")
             if pool is None:

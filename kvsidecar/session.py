@@ -40,6 +40,7 @@ class Session:
     memory: SessionMemory | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: int = 0  # requests running now; a busy session never expires
+    closed: bool = False  # set (under `lock`) when the session is released; nothing may attach to it afterwards
 
     def require_memory(self) -> SessionMemory:
         """The session's memory, for saves and loads."""

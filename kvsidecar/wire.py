@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import grpc
+from google.protobuf.message import DecodeError
+
 from kvsidecar.datapath import Failure
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory import CudaIpcMapping, RegionSpec, ShmMapping
@@ -17,6 +20,8 @@ MAX_HASHES = 1 << 20
 MAX_BLOCK_IDS = 1 << 20
 MAX_GROUPS = 64
 MAX_HASH_BYTES = 64
+MAX_MODEL_CHARS = 1024
+MAX_NAME_CHARS = 256
 
 _KINDS = {
     pb.FULL_ATTENTION: Kind.FULL_ATTENTION,
@@ -30,10 +35,55 @@ _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
 ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
 
 
+class Undecodable:
+    """A request body that is not a valid message of its type: answered INVALID_ARGUMENT, never UNKNOWN."""
+
+    def __init__(self, message: str, error: str) -> None:
+        self.message, self.error = message, error
+
+    def __str__(self) -> str:
+        return f"the request is not a valid {self.message}: {self.error}"
+
+
+def sidecar_handlers(servicer: Any) -> grpc.GenericRpcHandler:
+    """The Sidecar service's handlers, parsing requests so that garbage reaches the servicer as Undecodable.
+
+    gRPC's own deserializers raise before any servicer code runs, which clients see as UNKNOWN with no reason.
+    """
+    service = pb.DESCRIPTOR.services_by_name["Sidecar"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _lenient(cls: Any) -> Any:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(cls.DESCRIPTOR.full_name, str(exc))
+
+    return parse
+
+
 def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
     """(role, layout, hash_bytes) of an OpenSession request."""
     if req.role not in _ROLES:
         raise BadRequest("role must be ROLE_RANK or ROLE_SCHEDULER")
+    for name, value, most in (
+        ("model", req.engine.model, MAX_MODEL_CHARS),
+        ("cache_prefix", req.engine.cache_prefix, MAX_NAME_CHARS),
+        ("client_name", req.client_name, MAX_NAME_CHARS),
+    ):
+        if len(value) > most:
+            raise BadRequest(f"{name} is {len(value)} characters long, more than {most}")
     if not 1 <= req.hash_bytes <= MAX_HASH_BYTES:
         raise BadRequest(f"hash_bytes must be in [1, {MAX_HASH_BYTES}], got {req.hash_bytes}")
     if not req.groups:

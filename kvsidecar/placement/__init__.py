@@ -6,11 +6,12 @@ No I/O here: ints, bytes and tuples in, frozen values out.
 from kvsidecar.placement.chunks import NO_BLOCK, Chunk, SavePlan, check_hit, load_plan, save_plan, saved_boundaries
 from kvsidecar.placement.errors import InvalidLayout, InvalidRequest, PlacementError
 from kvsidecar.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
-from kvsidecar.placement.keys import block_key, namespace_prefix
+from kvsidecar.placement.keys import KEY_TAIL_PATTERN, block_key, namespace_prefix
 from kvsidecar.placement.layout import GroupSpec, Kind, Layout, Parallel, parse_group, parse_groups
 from kvsidecar.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
 
 __all__ = [
+    "KEY_TAIL_PATTERN",
     "NO_BLOCK",
     "Chunk",
     "Geometry",

@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvsidecar.placement.errors import InvalidLayout
 from kvsidecar.placement.keys import namespace_prefix
-from kvsidecar.placement.layout import GroupSpec, Layout
+from kvsidecar.placement.layout import MAX_TOKENS, GroupSpec, Layout
+
+MAX_NAMESPACES = 1 << 16  # key prefixes a session precomputes, summed over its groups
 
 
 def replication_factor(group: GroupSpec, tp_size: int, num_kv_heads: int, dcp_size: int) -> int:
@@ -59,9 +62,16 @@ class Geometry:
     def of(cls, layout: Layout) -> Geometry:
         """Derive the geometry of a validated layout."""
         par, u = layout.parallel, layout.hash_block_size
+        factors = [replication_factor(spec, par.tp_size, layout.num_kv_heads, par.dcp_size) for spec in layout.groups]
+        namespaces = sum(par.pcp_size * (par.tp_size // f) * par.pp_size for f in factors)
+        if namespaces > MAX_NAMESPACES:
+            raise InvalidLayout(
+                f"this layout needs {namespaces} key namespaces per boundary across its groups, more than "
+                f"{MAX_NAMESPACES}"
+            )
         groups = []
         for g, spec in enumerate(layout.groups):
-            f = replication_factor(spec, par.tp_size, layout.num_kv_heads, par.dcp_size)
+            f = factors[g]
             shard = par.tp_rank // f
             # Shard ids run over T/f; under DCP f = 1 so a shard is a rank and its dcp field is r mod D.
             lookup = tuple(
@@ -76,6 +86,10 @@ class Geometry:
             groups.append(GroupGeometry(g, spec, f, span(spec, par.dcp_size), shard, own, lookup))
         fine = any(gg.spec.recurrent and (gg.span > u or (par.dcp_size > 1 and gg.span >= u)) for gg in groups)
         unit = u if fine else math.lcm(*(gg.span for gg in groups))
+        if unit > MAX_TOKENS:
+            raise InvalidLayout(
+                f"hits would be aligned to {unit} tokens (the spans' least common multiple), past {MAX_TOKENS}"
+            )
         return cls(layout, tuple(groups), fine, unit)
 
     def probed_boundaries(self, group: GroupGeometry, num_hashes: int) -> range:

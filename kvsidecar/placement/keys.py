@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# Everything after `[<cache_prefix>@]<model>@` in a key, as a regular expression (the same in Python and in
+# Mooncake's ECMAScript flavour): what a reset of one model must match exactly, so a model named like another
+# tenant's key can never be swept along with it.
+KEY_TAIL_PATTERN = r"tp_rank:[0-9]+@pcp[0-9]+@dcp[0-9]+@pp_rank:[0-9]+@group:[0-9]+@[0-9a-f]+"
+
 
 def namespace_prefix(
     model_key: str, cache_prefix: str, shard: int, pcp_rank: int, dcp_rank: int, pp_rank: int, group: int

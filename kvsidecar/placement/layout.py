@@ -7,6 +7,14 @@ from dataclasses import dataclass, replace
 
 from kvsidecar.placement.errors import InvalidLayout
 
+# Limits far past any real engine that keep every derived value (spans, alignment, namespaces) small: an absurd
+# layout is refused at once instead of costing the daemon seconds and gigabytes.
+MAX_TP = 1024
+MAX_PP = 256
+MAX_PCP = 256
+MAX_BLOCK_TOKENS = 1 << 24
+MAX_TOKENS = (1 << 31) - 1  # spans, windows and hit alignment units
+
 
 class Kind(str, enum.Enum):
     """The kind of one KV-cache group (or of one member of a uniform group)."""
@@ -44,8 +52,10 @@ class GroupSpec:
     inner: tuple[Kind, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise InvalidLayout(f"block_size must be >= 1, got {self.block_size}")
+        if not 1 <= self.block_size <= MAX_BLOCK_TOKENS:
+            raise InvalidLayout(f"block_size must be in [1, {MAX_BLOCK_TOKENS}], got {self.block_size}")
+        if self.window > MAX_TOKENS:
+            raise InvalidLayout(f"window must be at most {MAX_TOKENS} tokens, got {self.window}")
         if self.kind is Kind.UNIFORM:
             if not self.inner:
                 raise InvalidLayout("a uniform group needs at least one member kind")
@@ -108,13 +118,13 @@ class Parallel:
     dcp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name, size, rank in (
-            ("tp", self.tp_size, self.tp_rank),
-            ("pp", self.pp_size, self.pp_rank),
-            ("pcp", self.pcp_size, self.pcp_rank),
+        for name, size, rank, most in (
+            ("tp", self.tp_size, self.tp_rank, MAX_TP),
+            ("pp", self.pp_size, self.pp_rank, MAX_PP),
+            ("pcp", self.pcp_size, self.pcp_rank, MAX_PCP),
         ):
-            if size < 1:
-                raise InvalidLayout(f"{name}_size must be >= 1, got {size}")
+            if not 1 <= size <= most:
+                raise InvalidLayout(f"{name}_size must be in [1, {most}], got {size}")
             if not 0 <= rank < size:
                 raise InvalidLayout(f"{name}_rank must be in [0, {size}), got {rank}")
         if self.dcp_size < 1:
@@ -149,13 +159,17 @@ class Layout:
             raise InvalidLayout(f"cache_prefix must not contain '@': {self.cache_prefix!r}")
         if self.num_kv_heads < 1:
             raise InvalidLayout(f"num_kv_heads must be >= 1, got {self.num_kv_heads}")
-        if self.hash_block_size < 1:
-            raise InvalidLayout(f"hash_block_size must be >= 1, got {self.hash_block_size}")
+        if not 1 <= self.hash_block_size <= MAX_BLOCK_TOKENS:
+            raise InvalidLayout(f"hash_block_size must be in [1, {MAX_BLOCK_TOKENS}], got {self.hash_block_size}")
         if not self.groups:
             raise InvalidLayout("a layout needs at least one KV-cache group")
         for index, group in enumerate(self.groups):
             # What must align with U is the span: under DCP an attention block covers block_size * D tokens.
             span = group.block_size if group.recurrent else group.block_size * self.parallel.dcp_size
+            if span > MAX_TOKENS:
+                raise InvalidLayout(
+                    f"group {index} ({group.describe()}): a block spans {span} tokens, past {MAX_TOKENS}"
+                )
             if span % self.hash_block_size:
                 raise InvalidLayout(
                     f"group {index} ({group.describe()}): a block spans {span} tokens (block_size "

@@ -12,6 +12,8 @@ from kvsidecar.placement.errors import InvalidRequest
 from kvsidecar.placement.geometry import Geometry, GroupGeometry
 from kvsidecar.placement.keys import hash_suffixes
 
+MAX_PROBE_KEYS = 2_000_000  # one lookup's keys: a 1M-token prompt at U=16 and T=8 with three groups is ~1.1M
+
 
 class Segment(NamedTuple):
     """A run of probe keys: one group's probed hash indices, repeated for each of its namespaces."""
@@ -56,6 +58,12 @@ class Hit(NamedTuple):
 def lookup_plan(geo: Geometry, block_hashes: Sequence[bytes], num_tokens: int) -> LookupPlan:
     """The probe keys for a prompt of num_tokens tokens with its chained block hashes."""
     n = _check_prompt(geo, len(block_hashes), num_tokens)
+    probes = sum(len(geo.probed_boundaries(g, n)) * g.keys_per_boundary for g in geo.groups)
+    if probes > MAX_PROBE_KEYS:
+        raise InvalidRequest(
+            f"this lookup would probe {probes} keys ({n} block hashes across every namespace), more than "
+            f"{MAX_PROBE_KEYS}: look up a shorter prompt"
+        )
     suffixes = hash_suffixes(list(block_hashes[:n]))
     keys: list[str] = []
     segments = []

@@ -58,8 +58,9 @@ class Store(Protocol):
         """Remove these keys, by default even if leased (a value that must not be served); one result per key."""
         ...
 
-    def remove_prefix(self, prefix: str) -> int:
-        """Remove every key that starts with prefix; return how many were removed."""
+    def remove_prefix(self, prefix: str, rest: str = "") -> int:
+        """Remove every key that starts with prefix (and, if rest is given, continues with a full match of the
+        regular expression rest); return how many were removed."""
         ...
 
     def health(self) -> StoreHealth:

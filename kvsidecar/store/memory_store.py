@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 from collections.abc import Callable, Collection, Sequence
 
@@ -141,13 +142,18 @@ class MemoryStore:
                     out.append(StoreCode.OK)
             return out
 
-    def remove_prefix(self, prefix: str) -> int:
-        """Remove every key that starts with prefix; return how many were removed."""
+    def remove_prefix(self, prefix: str, rest: str = "") -> int:
+        """Remove every key that starts with prefix (and fully matches rest after it); return how many."""
         if not prefix:
             raise StoreError(StoreCode.INVALID_PARAMS, "an empty prefix would remove every key")
+        tail = re.compile(rest) if rest else None
         with self._lock:
             self._check_open()
-            doomed = [key for key in self._values if key.startswith(prefix)]
+            doomed = [
+                key
+                for key in self._values
+                if key.startswith(prefix) and (tail is None or tail.fullmatch(key, len(prefix)))
+            ]
             for key in doomed:
                 self._used -= len(self._values.pop(key))
             return len(doomed)

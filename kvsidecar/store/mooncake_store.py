@@ -19,18 +19,24 @@ measured on 2 cores over loopback):
 - Master restarted on the same address: the client reconnects by itself within about 1-2 s. The new master has no
   keys (exists -> 0, get -> -704), and puts fail with -200 until the client has re-mounted its segment (~1 s).
 - close() takes 1-2 s with the master up and 10-15 s with it down.
+- First touch: a put into segment memory never written before pays a page fault per 4 KiB page (0.3-1.4 GiB/s per
+  put here, against 7-9 GiB/s into touched memory), and a segment stays that cold until it has filled once. So the
+  daemon pre-faults its segment once, in the background (`prefault.SegmentPrefault`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvsidecar.store.base import Presence, StoreHealth, check_batch_shapes
 from kvsidecar.store.codes import StoreCode, StoreError, StoreUnavailable, from_mooncake
+from kvsidecar.store.prefault import SegmentPrefault
 
 __all__ = [
     "DEFAULT_GLOBAL_SEGMENT_SIZE",
@@ -48,12 +54,22 @@ DEFAULT_LOCAL_BUFFER_SIZE = 16 * MIB
 
 # health_check() return values.
 _HEALTHY, _NOT_INITIALIZED, _MASTER_UNREACHABLE = 0, 1, 2
+
+
 # batch_is_exist() return values; anything else (-1) means the check failed.
-_PRESENCE = {1: Presence.PRESENT, 0: Presence.ABSENT}
+class _PresenceOf(dict[int, Presence]):
+    def __missing__(self, code: int) -> Presence:
+        return Presence.UNKNOWN
+
+
+_PRESENCE = _PresenceOf({1: Presence.PRESENT, 0: Presence.ABSENT})
 # Characters with a meaning in the ECMAScript regex grammar the master uses; everything else stands for itself.
 _REGEX_SPECIAL = frozenset("\\^$.*+?()[]{}|/")
 
 _T = TypeVar("_T")
+# Existence checks of more than _EXISTS_PART_KEYS keys per part are split into up to _EXISTS_PARTS concurrent calls.
+_EXISTS_PARTS = max(1, min(4, os.cpu_count() or 1))
+_EXISTS_PART_KEYS = 8192
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +84,8 @@ class MooncakeSettings:
     protocol: str = "tcp"
     rdma_devices: str = ""
     replica_num: int = 1
+    # Fault the whole segment in once, in the background, so puts never pay first-touch page faults.
+    prefault_segment: bool = True
 
     def __post_init__(self) -> None:
         if not self.local_hostname:
@@ -103,6 +121,8 @@ class MooncakeStore:
         self._lifetime = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        self.prefault: SegmentPrefault | None = None
+        self._exists_pool = ThreadPoolExecutor(_EXISTS_PARTS, thread_name_prefix="kvsidecar-exists")
 
     @classmethod
     def connect(cls, settings: MooncakeSettings) -> MooncakeStore:
@@ -139,7 +159,11 @@ class MooncakeStore:
             raise StoreUnavailable(_setup_failure_reason(rc, settings))
         config = ReplicateConfig()
         config.replica_num = settings.replica_num
-        return cls(native, settings, config)
+        store = cls(native, settings, config)
+        if settings.prefault_segment and settings.global_segment_size:
+            store.prefault = SegmentPrefault(store._call, store._client, settings.global_segment_size, ReplicateConfig)
+            store.prefault.start()
+        return store
 
     @property
     def settings(self) -> MooncakeSettings:
@@ -197,9 +221,26 @@ class MooncakeStore:
         if not keys:
             self._ensure_open()
             return []
-        found = self._call("batch_is_exist", lambda n: n.batch_is_exist(list(keys)))
+        parts = min(_EXISTS_PARTS, len(keys) // _EXISTS_PART_KEYS)
+        if parts > 1:
+            # A long prompt probes 10^5 keys; the master answers concurrent batches in parallel (measured: two
+            # halves of 35k keys in 0.62x the time of one batch on 2 cores), and the GIL is released meanwhile.
+            step = -(-len(keys) // parts)
+            chunks = [list(keys[i : i + step]) for i in range(0, len(keys), step)]
+            try:
+                futures = [self._exists_pool.submit(self._batch_is_exist, chunk) for chunk in chunks]
+            except RuntimeError:  # the pool is shut down
+                raise StoreUnavailable("the Mooncake store is closed") from None
+            found = [code for future in futures for code in future.result()]
+        else:
+            found = self._batch_is_exist(list(keys))
         _check_result_length("batch_is_exist", found, keys)
-        return [_PRESENCE.get(value, Presence.UNKNOWN) for value in found]
+        # A lookup converts 10^5 codes: map over the dict's C-level lookup, not a Python loop.
+        return list(map(_PRESENCE.__getitem__, found))
+
+    def _batch_is_exist(self, keys: list[str]) -> list[int]:
+        found: list[int] = self._call("batch_is_exist", lambda n: n.batch_is_exist(keys))
+        return found
 
     def put_from(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -212,7 +253,7 @@ class MooncakeStore:
         codes = self._call(
             "batch_put_from_multi_buffers",
             lambda n: n.batch_put_from_multi_buffers(
-                list(keys), [list(a) for a in addresses], [list(s) for s in sizes], self._replicate_config
+                _list(keys), _lists(addresses), _lists(sizes), self._replicate_config
             ),
         )
         _check_result_length("batch_put_from_multi_buffers", codes, keys)
@@ -237,11 +278,11 @@ class MooncakeStore:
         _check_result_length("batch_remove", codes, keys)
         return [from_mooncake(c) for c in codes]
 
-    def remove_prefix(self, prefix: str) -> int:
+    def remove_prefix(self, prefix: str, rest: str = "") -> int:
         """Remove every key that starts with prefix, leased or not; return how many were removed."""
         if not prefix:
             raise StoreError(StoreCode.INVALID_PARAMS, "an empty prefix would remove every key in the cluster")
-        pattern = prefix_regex(prefix)
+        pattern = prefix_regex(prefix) + (f"({rest})$" if rest else "")
         removed = self._call("remove_by_regex", lambda n: n.remove_by_regex(pattern, True))
         if removed < 0:
             code = from_mooncake(removed)
@@ -276,6 +317,7 @@ class MooncakeStore:
             # call would crash the process.
             self._lifetime.wait_for(lambda: self._in_flight == 0)
             native, self._native = self._native, None
+        self._exists_pool.shutdown(wait=False)
         native.close()
 
     def __enter__(self) -> MooncakeStore:
@@ -285,10 +327,19 @@ class MooncakeStore:
         self.close()
 
 
+def _list(items: Sequence[Any]) -> list[Any]:
+    # The binding takes lists; the data path already hands over fresh ones, so copy only other sequences.
+    return items if type(items) is list else list(items)
+
+
+def _lists(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [row if type(row) is list else list(row) for row in rows]
+
+
 def _get_into(
     native: Any, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
 ) -> list[StoreCode]:
-    read = native.batch_get_into_multi_buffers(list(keys), [list(a) for a in addresses], [list(s) for s in sizes])
+    read = native.batch_get_into_multi_buffers(_list(keys), _lists(addresses), _lists(sizes))
     _check_result_length("batch_get_into_multi_buffers", read, keys)
     return [_get_outcome(native, key, count, sum(s)) for key, count, s in zip(keys, read, sizes, strict=True)]
 

@@ -60,7 +60,7 @@ def test_table_is_readable():
     [
         (("--tp", "4", "--dcp", "3"), "dcp_size 3 must divide tp_size 4"),
         (("--groups", "attention"), "unknown group kind 'attention'"),
-        (("--tp", "0"), "tp_size must be >= 1"),
+        (("--tp", "0"), "tp_size must be in [1, 1024]"),
         (("--model", "a@b"), "must not contain '@'"),
     ],
 )

@@ -47,7 +47,8 @@ def test_parse_groups_round_trips_describe():
         ("uniform()", "unknown group kind ''"),
         ("uniform(uniform(mla))", "unknown group kind"),
         ("uniform", "uniform(kind+kind)"),
-        ("mla/0", "block_size must be >= 1"),
+        ("mla/0", "block_size must be in [1, 16777216]"),
+        ("mla/16777217", "block_size must be in [1, 16777216]"),
         ("mla/x", "block size in"),
     ],
 )
@@ -59,11 +60,13 @@ def test_bad_groups(text, reason):
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        ({"tp_size": 0}, "tp_size must be >= 1"),
+        ({"tp_size": 0}, r"tp_size must be in \[1, 1024\]"),
+        ({"tp_size": 1025}, r"tp_size must be in \[1, 1024\]"),
+        ({"pp_size": 257}, r"pp_size must be in \[1, 256\]"),
         ({"tp_size": 2, "tp_rank": 2}, r"tp_rank must be in \[0, 2\)"),
         ({"tp_rank": -1}, "tp_rank must be in"),
         ({"pp_size": 2, "pp_rank": 5}, "pp_rank must be in"),
-        ({"pcp_size": 0}, "pcp_size must be >= 1"),
+        ({"pcp_size": 0}, r"pcp_size must be in \[1, 256\]"),
         ({"pcp_size": 2, "pcp_rank": 2}, "pcp_rank must be in"),
         ({"dcp_size": 0}, "dcp_size must be >= 1"),
         ({"tp_size": 4, "dcp_size": 3}, "dcp_size 3 must divide tp_size 4"),
@@ -85,7 +88,7 @@ MLA = (GroupSpec(Kind.MLA, 16),)
         ({"model": "a@b"}, "must not contain '@'"),
         ({"cache_prefix": "x@y"}, "cache_prefix must not contain '@'"),
         ({"num_kv_heads": 0}, "num_kv_heads must be >= 1"),
-        ({"hash_block_size": 0}, "hash_block_size must be >= 1"),
+        ({"hash_block_size": 0}, r"hash_block_size must be in \[1, 16777216\]"),
         ({"groups": ()}, "at least one KV-cache group"),
         (
             {"groups": (GroupSpec(Kind.MLA, 24),)},
@@ -121,3 +124,16 @@ def test_spans_not_block_sizes_must_align_with_u():
     Layout("m", (GroupSpec(Kind.FULL_ATTENTION, 16),), par, num_kv_heads=4, hash_block_size=64)
     with pytest.raises(InvalidLayout, match="group 1 \\(mamba\\): a block spans 16 tokens"):
         Layout("m", (GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16)), par, 4, 64)
+
+
+def test_absurd_layouts_are_refused_before_any_work():
+    from kvsidecar.placement import Geometry
+
+    # 1024 ranks x 256 stages x 2 groups of one namespace per rank: 2^19 namespaces.
+    big = Layout("m", (GroupSpec(Kind.MAMBA, 16),) * 2, Parallel(tp_size=1024, pp_size=256), num_kv_heads=1)
+    with pytest.raises(InvalidLayout, match="key namespaces per boundary"):
+        Geometry.of(big)
+    # Spans whose least common multiple passes 2^31 tokens.
+    odd = (GroupSpec(Kind.FULL_ATTENTION, 65521 * 16), GroupSpec(Kind.FULL_ATTENTION, 65519 * 16))
+    with pytest.raises(InvalidLayout, match="least common multiple"):
+        Geometry.of(Layout("m", odd, num_kv_heads=1, hash_block_size=16))

@@ -153,3 +153,12 @@ def test_no_block_spans_are_skipped_by_saves_and_kept_by_loads():
     assert (plan.others, plan.absent) == (0, 2)
     chunks = load_plan(geo, H, [[0, 1, 2, 3], [NO_BLOCK] * 4], 64, (64, 64))
     assert chunks[-1].block_id == NO_BLOCK  # the load must say it failed, not silently skip it
+
+
+def test_a_lookup_too_large_to_probe_is_refused():
+    from kvsidecar.placement.lookup import MAX_PROBE_KEYS
+
+    geo = geo_of(GroupSpec(Kind.MAMBA, 1), u=1, tp_size=64)  # 64 namespaces per boundary
+    n = MAX_PROBE_KEYS // 64 + 1
+    with pytest.raises(InvalidRequest, match=r"would probe \d+ keys"):
+        lookup_plan(geo, [b"h"] * n, n)
