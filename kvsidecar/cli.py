@@ -152,6 +152,25 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_demo)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvsidecar.bench import run
+
+    return run(args)
+
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvsidecar.bench import add_arguments
+
+    p = sub.add_parser(
+        "bench",
+        help="measure the daemon's data path against in-process Mooncake, its real client and memcpy",
+        description="Start Mooncake masters, a daemon and Mooncake's real client; measure throughput, lookup "
+        "latency, scaling and write volume side by side, as ratios. --quick: under a minute, prints the tables.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
     parser = argparse.ArgumentParser(prog="kvsidecar", description="Node-local KV-cache store daemon.")
@@ -161,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_layout(sub)
     _add_demo(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -8,8 +8,9 @@ import math
 
 import pytest
 
+from kvsidecar.bench.markdown import render_markdown
 from kvsidecar.bench.progress import Progress
-from kvsidecar.bench.report import headline, render_markdown
+from kvsidecar.bench.report import headline
 from kvsidecar.bench.settings import QUICK, Settings, add_arguments, command_line, from_args
 from kvsidecar.bench.shapes import GQA, MLA, Request, hashes_for
 from kvsidecar.bench.stats import Samples, gib_per_s, percentile, ratio, rotated

@@ -1,0 +1,92 @@
+"""The daemon's own CPU per request: DataPath save, load and lookup over a store stub that answers at once.
+
+    python benchmarks/datapath_overhead.py [--repeat 41]
+
+Everything a real request costs minus Mooncake's work and gRPC: placement plans, one address per region and block,
+result bookkeeping and metrics. Shapes as `kvsidecar bench` has them; lookups at T=8 with [mla, full_attention,
+mamba], all keys present (hit) or none (miss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from kvsidecar import wire
+from kvsidecar.bench.lookup import _layout
+from kvsidecar.bench.shapes import GQA, MLA, EngineMemory, Request, hashes_for
+from kvsidecar.datapath import DataPath
+from kvsidecar.memory import SessionMemory
+from kvsidecar.metrics import Metrics
+from kvsidecar.session import Role, SessionRegistry
+from kvsidecar.store import Presence, StoreCode, StoreHealth
+from kvsidecar.store.base import check_batch_shapes
+from kvsidecar_client.memory import describe_regions
+
+
+class StubStore:
+    """Answers every call at once: existence is `present`, transfers succeed; shapes are checked like Mooncake's."""
+
+    def __init__(self, present: bool) -> None:
+        self.present = present
+
+    def exists(self, keys: Sequence[str]) -> list[Presence]:
+        return [Presence.PRESENT if self.present else Presence.ABSENT] * len(keys)
+
+    def put_from(self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]):
+        check_batch_shapes(keys, addresses, sizes)
+        return [StoreCode.OK] * len(keys)
+
+    get_into = put_from
+
+    def health(self) -> StoreHealth:
+        return StoreHealth(True, "stub")
+
+
+def median_ms(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=41)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    sessions = SessionRegistry(60, release=lambda s: None)
+    print("| request | ms (median) |")
+    print("| --- | --- |")
+    for shape in (MLA, GQA):
+        for n in (32, 128):
+            memory = EngineMemory.shared(shape, 2 * n)
+            session = sessions.open(Role.RANK, shape.layout("bench/x"), 32, "x")
+            regions = describe_regions([(t, (0,)) for t in memory.tensors])
+            session.memory = SessionMemory(wire.region_specs(regions), 1)
+            request = Request.of(shape, "overhead", n, n)
+            datapath = DataPath(StubStore(False), Metrics())
+            ids, tokens = [request.save_ids], request.num_tokens
+            save = median_ms(partial(datapath.save, session, request.hashes, ids, tokens, 0), args.repeat)
+            ids, hit = [request.load_ids], n * 16
+            load = median_ms(partial(datapath.load, session, request.hashes, ids, hit, [hit], 0), args.repeat)
+            print(f"| {shape.name} save, {n} blocks ({shape.regions} slices each) | {save:.3f} |")
+            print(f"| {shape.name} load, {n} blocks | {load:.3f} |")
+    scheduler = sessions.open(Role.SCHEDULER, _layout(0), 32, "x")
+    for present, what in ((True, "hit"), (False, "miss")):
+        datapath = DataPath(StubStore(present), Metrics())
+        for tokens in (4096, 32768, 131072):
+            hashes = hashes_for("overhead", tokens // 16)
+            ms = median_ms(partial(datapath.lookup, scheduler, hashes, tokens, False), max(5, args.repeat // 4))
+            print(f"| lookup {tokens // 1024}k tokens, {what} | {ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
