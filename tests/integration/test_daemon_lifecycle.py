@@ -210,3 +210,22 @@ def test_the_embedded_master_is_restarted_when_it_dies(tmp_path):
         if rank is not None:
             rank.close()
         assert stop_pid(proc, timeout=30) == 0, log.read_text()[-3000:]
+
+
+def test_the_daemon_tells_systemd_when_it_is_ready_and_when_it_stops(mooncake_master, tmp_path):
+    import socket
+
+    notify_path = tmp_path / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.settimeout(30)
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address, env={"NOTIFY_SOCKET": str(notify_path)})
+    try:
+        daemon.start()
+        ready = listener.recv(4096).decode()
+        assert ready.startswith("READY=1\nSTATUS=serving on unix://"), ready
+        assert daemon.serving()  # READY=1 came once the socket answered
+    finally:
+        assert daemon.stop() == 0
+    assert listener.recv(4096).decode() == "STOPPING=1"
+    listener.close()
