@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -132,43 +133,12 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=_status)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from kvsidecar.demo import run
-
-    return run(args)
-
-
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvsidecar.demo import add_arguments
-
-    p = sub.add_parser(
-        "demo",
-        help="save and load a prompt with simulated ranks, checking every byte",
-        description="Simulated ranks of a small hybrid model (MLA + sliding window + Mamba) save a prompt, clear "
-        "their cache and load it back through the daemon at --socket (or one started for the demo if none answers "
-        "there), checking every byte. Exit 0 only with zero mismatches and zero failed loads.",
-    )
-    add_arguments(p)
-    p.set_defaults(func=_demo)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from kvsidecar.bench import run
-
-    return run(args)
-
-
-def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvsidecar.bench import add_arguments
-
-    p = sub.add_parser(
-        "bench",
-        help="measure the daemon's data path against in-process Mooncake, its real client and memcpy",
-        description="Start Mooncake masters, a daemon and Mooncake's real client; measure throughput, lookup "
-        "latency, scaling and write volume side by side, as ratios. --quick: under a minute, prints the tables.",
-    )
-    add_arguments(p)
-    p.set_defaults(func=_bench)
+def _add_tool(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_: str, text: str) -> None:
+    """A subcommand whose module `kvsidecar.<name>` has add_arguments(parser) and run(args) -> int."""
+    module = importlib.import_module(f"kvsidecar.{name}")
+    p = sub.add_parser(name, help=help_, description=text)
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,8 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_status(sub)
     _add_layout(sub)
-    _add_demo(sub)
-    _add_bench(sub)
+    _add_tool(
+        sub,
+        "demo",
+        "save and load a prompt with simulated ranks, checking every byte",
+        "Simulated ranks of a small hybrid model (MLA + sliding window + Mamba) save a prompt, clear their cache and "
+        "load it back through the daemon at --socket (or one started for the demo if none answers there), checking "
+        "every byte. Exit 0 only with zero mismatches and zero failed loads.",
+    )
+    _add_tool(
+        sub,
+        "bench",
+        "measure the daemon's data path against in-process Mooncake, its real client and memcpy",
+        "Start Mooncake masters, a daemon and Mooncake's real client; measure throughput, lookup latency, scaling "
+        "and write volume side by side, as ratios. --quick: under a minute, prints the tables.",
+    )
     return parser
 
 
