@@ -111,7 +111,8 @@ def test_tenants_never_share_a_block(vllm_env, tiny_model, daemon, cache_prefix)
 
 
 def test_a_recurrent_state_the_engine_did_not_keep_is_never_stored(vllm_env, tiny_model, daemon, cache_prefix):
-    # The whole prompt in one step: vLLM keeps the Mamba state after 80 tokens only, not after 16, 32, 48, 64.
+    # The prefill runs in steps of 64 and 16 tokens: vLLM keeps the Mamba state after 64 and after 80 tokens only,
+    # never the states after 16, 32 or 48. Those spans go to the daemon as NO_BLOCK; the rest is stored.
     cold = engine(tiny_model, daemon, cache_prefix, "full+mamba", chunk=0)
     try:
         cold.add("cold", PROMPT)
@@ -120,7 +121,10 @@ def test_a_recurrent_state_the_engine_did_not_keep_is_never_stored(vllm_env, tin
         cold.close()
     warm = engine(tiny_model, daemon, cache_prefix, "full+mamba")
     try:
-        # No boundary below 80 has a stored state, so the store serves nothing (rather than a wrong state).
-        assert external_tokens(warm, "warm", PROMPT) == 0
+        # The state after 64 tokens was held and stored, with every attention block before it: a 64-token hit.
+        assert external_tokens(warm, "warm", PROMPT) == 64
+        # No state after 16, 32 or 48 tokens was stored, so a 49-token prefix gets nothing (rather than a state
+        # that was never computed).
+        assert external_tokens(warm, "short", PROMPT[:49]) == 0
     finally:
         warm.close()

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest
+from kvsidecar_client import NO_BLOCK, EngineLayout, GroupSpec, InvalidRequest
 from kvsidecar_client.results import GroupPlacement, SessionInfo
 from kvsidecar_client.vllm.plan import check_save, load_block_ids, saved_chunks, shape_of
 from kvsidecar_client.vllm.settings import ConnectorSettings, default_socket
@@ -133,9 +133,20 @@ def test_a_recurrent_group_is_saved_only_for_the_state_it_holds():
     # One block per step: the recurrent state in memory is the state after exactly num_tokens tokens.
     ok = check_save(ATTN_MAMBA, [[1, 2, 3], [NULL, 5, 6]], 48, 32, NULL)
     assert ok.ok and ok.reads == {3, 6} and ok.chunks == 2
-    # A whole prompt in one step: the states after 16 and 32 tokens were never kept, so nothing is sent.
-    bad = check_save(ATTN_MAMBA, [[1, 2, 3], [NULL, NULL, 6]], 48, 0, NULL)
-    assert not bad.ok and "state after 16" in bad.reason
+    assert ok.block_ids == ((1, 2, 3), (NULL, 5, 6))
+    # A whole prompt in one step: the states after 16 and 32 tokens were never kept. Those spans go as NO_BLOCK
+    # (the daemon skips them); the attention blocks and the state after 48 are stored.
+    whole = check_save(ATTN_MAMBA, [[1, 2, 3], [NULL, NULL, 6]], 48, 0, NULL)
+    assert whole.ok and whole.reads == {1, 2, 3, 6} and whole.chunks == 4
+    assert whole.block_ids == ((1, 2, 3), (NO_BLOCK, NO_BLOCK, 6))
+    assert "state after 16" in whole.reason
+    # Nothing right to store: not sent at all.
+    none = check_save(ATTN_MAMBA, [[1, 2, 3], [NULL, NULL, NULL]], 48, 32, NULL)
+    assert (none.ok, none.chunks) == (True, 1)  # the attention block 3 still is
+    mamba_only = shape_of(
+        (GroupSpec("mamba", 16),), SessionInfo(10_000, 16, False, (GroupPlacement(1, 0, 1, 16),), "x"), 16
+    )
+    assert not check_save(mamba_only, [[NULL, NULL, NULL]], 48, 0, NULL).ok
 
 
 def test_a_null_block_is_never_read():
@@ -144,7 +155,8 @@ def test_a_null_block_is_never_read():
         SessionInfo(10_000, 16, False, (GroupPlacement(1, 0, 1, 16),), "x"),
         16,
     )
-    assert not check_save(swa, [[NULL, 2, 3]], 48, 0, NULL).ok
+    retired = check_save(swa, [[NULL, 2, 3]], 48, 0, NULL)  # the window retired block 0
+    assert retired.reads == {2, 3} and retired.block_ids == ((NO_BLOCK, 2, 3),)
     assert check_save(swa, [[NULL, 2, 3]], 48, 16, NULL).reads == {2, 3}
 
 

@@ -5,7 +5,8 @@ is narrower: which of its block ids a Save reads and a Load writes (PLACEMENT.md
 because vLLM's block table is not a plain positional array. Its null block stands in for blocks a sliding window
 or an "align"-mode Mamba group has retired, and a recurrent group holds only the state after the tokens computed
 so far, not one state per block. A Save over such a block would store garbage under a real key: a silent wrong
-answer on the next hit. So every Save is checked here first, and skipped when it cannot be right.
+answer on the next hit. So every Save is checked here first: a span whose bytes the engine does not hold is sent as
+NO_BLOCK (the daemon skips it), and a Save left with nothing to store is not sent.
 
 Pure: ints and tuples in, value types out.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvsidecar_client.layout import GroupSpec
+from kvsidecar_client.layout import NO_BLOCK, GroupSpec
 from kvsidecar_client.results import SessionInfo
 
 __all__ = ["GroupShape", "SaveCheck", "Shape", "load_block_ids", "check_save", "saved_chunks", "shape_of"]
@@ -41,12 +42,13 @@ class Shape(NamedTuple):
 
 
 class SaveCheck(NamedTuple):
-    """Whether a Save over (saved_tokens, num_tokens] is right to send, and the block ids it reads."""
+    """Whether a Save over (saved_tokens, num_tokens] is worth sending, the block ids to send, and those it reads."""
 
     ok: bool
     reason: str
     reads: frozenset[int]
     chunks: int  # values the Save stores over all ranks (0: nothing to send)
+    block_ids: tuple[tuple[int, ...], ...] = ()  # per group, NO_BLOCK where the engine holds no right bytes
 
 
 def shape_of(groups: Sequence[GroupSpec], info: SessionInfo, hash_block_size: int) -> Shape:
@@ -84,30 +86,33 @@ def check_save(
     saved_tokens: int,
     null_block: int,
 ) -> SaveCheck:
-    """Whether the engine holds the exact bytes of every value the Save stores, and which blocks it reads.
+    """The block ids a Save sends (NO_BLOCK where the engine does not hold a value's bytes) and those it reads.
 
     A recurrent group holds one state: the one after `num_tokens` tokens, in the block covering the last of them.
-    So a Save is right only if every recurrent value it stores is that state (boundary == num_tokens), and every
-    block it reads is a real block (not vLLM's null block, not past the table).
+    So a recurrent value is sent only for the boundary num_tokens; every other span, and every span whose block is
+    vLLM's null block or past the table, is sent as NO_BLOCK, which the daemon skips.
     """
     reads: set[int] = set()
     chunks = 0
+    skipped: list[str] = []
+    out = [list(ids) for ids in block_ids]
     for g, (group, items) in enumerate(zip(shape.groups, saved_chunks(shape, num_tokens, saved_tokens), strict=True)):
-        ids = block_ids[g]
+        ids = out[g]
         for index, boundary in items:
+            if index >= len(ids):
+                ids.extend([NO_BLOCK] * (index + 1 - len(ids)))
             if group.recurrent and boundary != num_tokens:
-                return SaveCheck(
-                    False,
-                    f"group {g} is recurrent and holds the state after {num_tokens} tokens, "
-                    f"not the state after {boundary}",
-                    frozenset(),
-                    0,
-                )
-            if index >= len(ids) or ids[index] == null_block:
-                return SaveCheck(False, f"group {g} has no block for its span {index}", frozenset(), 0)
-            reads.add(ids[index])
-            chunks += 1
-    return SaveCheck(True, "", frozenset(reads), chunks)
+                skipped.append(f"group {g} holds the state after {num_tokens} tokens, not the state after {boundary}")
+                ids[index] = NO_BLOCK
+            elif ids[index] in (null_block, NO_BLOCK):
+                skipped.append(f"group {g} has no block for its span {index}")
+                ids[index] = NO_BLOCK
+            else:
+                reads.add(ids[index])
+                chunks += 1
+    if not chunks:
+        return SaveCheck(False, "; ".join(skipped) or "nothing new to store", frozenset(), 0)
+    return SaveCheck(True, "; ".join(skipped), frozenset(reads), chunks, tuple(tuple(ids) for ids in out))
 
 
 def load_block_ids(

@@ -194,7 +194,7 @@ class SchedulerSide:
         return SaveSpec(
             req_id=request.request_id,
             block_hashes=tuple(request.block_hashes[: num_tokens // u]),
-            block_ids=tuple(tuple(g) for g in ids),
+            block_ids=check.block_ids,
             num_tokens=num_tokens,
             saved_tokens=saved,
             reads=check.reads,
