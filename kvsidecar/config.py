@@ -131,7 +131,12 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("local_hostname", str, "address this node's Mooncake client advertises (default: %(default)s)"),
     ("protocol", str, "Mooncake transport: tcp or rdma (default: %(default)s)"),
     ("rdma_devices", str, "comma-separated RDMA devices (default: Mooncake picks)"),
-    ("segment_size", parse_size, "memory this node contributes to the Mooncake pool, e.g. 1GiB (default 1GiB)"),
+    (
+        "segment_size",
+        parse_size,
+        "memory this node contributes to the Mooncake pool, e.g. 1GiB (default 1GiB); it is faulted in at start, "
+        "so the daemon's resident memory includes it",
+    ),
     ("local_buffer_size", parse_size, "Mooncake client transfer buffer, e.g. 64MiB (default 64MiB)"),
     ("replicas", int, "replicas of every stored block (default 1)"),
     ("session_ttl", float, "seconds a session lives without a KeepAlive before its memory is released (default 10)"),
