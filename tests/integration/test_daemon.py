@@ -121,6 +121,20 @@ def test_bad_input_gets_precise_errors_and_others_keep_working(daemon, ranks):
         assert fragment in err.value.details()
 
     sid = bad.session
+
+    def register_request(name: str, size: int, *, num_blocks: int, group: int) -> pb.RegisterMemoryRequest:
+        """One region on a fresh session (registration happens once per session)."""
+        region = pb.MemoryRegion(
+            shm=pb.SharedMemoryHandle(name=name),
+            mapping_bytes=size,
+            block_stride=BLOCK,
+            block_bytes=BLOCK,
+            num_blocks=num_blocks,
+            groups=[group],
+        )
+        session = ranks(open_request(groups), register=False).session
+        return pb.RegisterMemoryRequest(session_id=session, regions=[region])
+
     expect(grpc.StatusCode.NOT_FOUND, "unknown session", stub.Lookup, pb.LookupRequest(session_id="nope"))
     ids = [pb.BlockIds(ids=[0, 99])]
     expect(
@@ -145,55 +159,19 @@ def test_bad_input_gets_precise_errors_and_others_keep_working(daemon, ranks):
         grpc.StatusCode.INVALID_ARGUMENT,
         "group index 3 out of range",
         stub.RegisterMemory,
-        pb.RegisterMemoryRequest(
-            session_id=ranks(open_request(groups), register=False).session,
-            regions=[
-                pb.MemoryRegion(
-                    shm=pb.SharedMemoryHandle(name=bad.segments[0].name),
-                    mapping_bytes=bad.segments[0].size,
-                    block_stride=BLOCK,
-                    block_bytes=BLOCK,
-                    num_blocks=2,
-                    groups=[3],
-                )
-            ],
-        ),
+        register_request(bad.segments[0].name, bad.segments[0].size, num_blocks=2, group=3),
     )
     expect(
         grpc.StatusCode.INVALID_ARGUMENT,
         "past the mapping",
         stub.RegisterMemory,
-        pb.RegisterMemoryRequest(
-            session_id=ranks(open_request(groups), register=False).session,
-            regions=[
-                pb.MemoryRegion(
-                    shm=pb.SharedMemoryHandle(name=bad.segments[0].name),
-                    mapping_bytes=bad.segments[0].size,
-                    block_stride=BLOCK,
-                    block_bytes=BLOCK,
-                    num_blocks=10_000,
-                    groups=[0],
-                )
-            ],
-        ),
+        register_request(bad.segments[0].name, bad.segments[0].size, num_blocks=10_000, group=0),
     )
     expect(
         grpc.StatusCode.INVALID_ARGUMENT,
         "not a plain segment name",
         stub.RegisterMemory,
-        pb.RegisterMemoryRequest(
-            session_id=ranks(open_request(groups), register=False).session,
-            regions=[
-                pb.MemoryRegion(
-                    shm=pb.SharedMemoryHandle(name="../../etc/passwd"),
-                    mapping_bytes=4096,
-                    block_stride=BLOCK,
-                    block_bytes=BLOCK,
-                    num_blocks=1,
-                    groups=[0],
-                )
-            ],
-        ),
+        register_request("../../etc/passwd", 4096, num_blocks=1, group=0),
     )
     expect(
         grpc.StatusCode.FAILED_PRECONDITION,

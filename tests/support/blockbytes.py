@@ -21,20 +21,13 @@ import hashlib
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
-from kvsidecar.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar import wire
+from kvsidecar.placement import Layout
 from kvsidecar_client.proto import sidecar_pb2 as pb
 from support.oracle import group_bytes
 
 GARBAGE = 0xEE
 POISON = 0x5A
-_KIND = {
-    pb.FULL_ATTENTION: Kind.FULL_ATTENTION,
-    pb.SLIDING_WINDOW: Kind.SLIDING_WINDOW,
-    pb.MLA: Kind.MLA,
-    pb.SLIDING_WINDOW_MLA: Kind.SLIDING_WINDOW_MLA,
-    pb.MAMBA: Kind.MAMBA,
-    pb.UNIFORM: Kind.UNIFORM,
-}
 
 
 class GroupView(NamedTuple):
@@ -47,13 +40,8 @@ class GroupView(NamedTuple):
 
 
 def layout_of(req: pb.OpenSessionRequest) -> Layout:
-    """The engine layout an OpenSession request describes (value types only, for the oracle)."""
-    groups = tuple(
-        GroupSpec(_KIND[g.kind], g.block_size, g.window, tuple(_KIND[k] for k in g.inner)) for g in req.groups
-    )
-    p = req.parallel
-    parallel = Parallel(p.tp_size, p.tp_rank, p.pp_size or 1, p.pp_rank, p.pcp_size or 1, p.pcp_rank, p.dcp_size or 1)
-    return Layout(req.engine.model, groups, parallel, req.num_kv_heads, req.hash_block_size, req.engine.cache_prefix)
+    """The engine layout a (valid) OpenSession request describes, parsed exactly as the daemon parses it."""
+    return wire.open_request(req)[1]
 
 
 def views(req: pb.OpenSessionRequest) -> list[GroupView]:
