@@ -23,11 +23,12 @@ RUN case "$FLAVOUR" in \
       *) echo "FLAVOUR must be cpu or cuda, not '$FLAVOUR'" >&2; exit 1 ;; \
     esac \
  && pip install --index-url "$index" "torch==${TORCH_VERSION}"
-# The client before the daemon, which depends on kvsidecar-client==<same version>.
+# The contract and the client before the daemon, which depends on both at the same version.
+COPY contract/ /src/contract/
 COPY client/ /src/client/
 COPY pyproject.toml README.md /src/
 COPY kvsidecar/ /src/kvsidecar/
-RUN pip install /src/client "/src[${FLAVOUR}]"
+RUN pip install /src/contract /src/client "/src[${FLAVOUR}]"
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG FLAVOUR=cpu

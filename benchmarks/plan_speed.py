@@ -11,7 +11,7 @@ import argparse
 import statistics
 import time
 
-from kvsidecar.placement import Geometry, Layout, Parallel, compute_hit, load_plan, lookup_plan, parse_groups
+from kvsidecar_contract.placement import Geometry, Layout, Parallel, compute_hit, load_plan, lookup_plan, parse_groups
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvsidecar import __version__
-from kvsidecar.placement import PlacementError
+from kvsidecar_contract.placement import PlacementError
 
 
 def _layout(args: argparse.Namespace) -> int:
@@ -112,7 +112,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvsidecar.config import default_socket_path
+    from kvsidecar_contract.paths import default_socket_path
 
     p = sub.add_parser(
         "status",

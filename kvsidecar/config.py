@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +14,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+from kvsidecar_contract.paths import default_socket_path
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -27,14 +28,6 @@ DEFAULT_SESSION_TTL_S = 10.0
 
 class ConfigError(ValueError):
     """A flag or config-file value that cannot be used."""
-
-
-def default_socket_path(env: dict[str, str] | None = None) -> str:
-    """$XDG_RUNTIME_DIR/kvsidecar/kvsidecar.sock, else /tmp/kvsidecar-<uid>/kvsidecar.sock (serve and status agree)."""
-    env = dict(os.environ) if env is None else env
-    runtime = env.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "kvsidecar" if runtime else Path("/tmp") / f"kvsidecar-{os.getuid()}"
-    return str(base / "kvsidecar.sock")
 
 
 def parse_size(text: str | int) -> int:

@@ -16,9 +16,18 @@ from typing import NamedTuple
 
 from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
-from kvsidecar.placement import KEY_TAIL_PATTERN, NO_BLOCK, Chunk, Hit, compute_hit, load_plan, lookup_plan, save_plan
 from kvsidecar.session import Session
 from kvsidecar.store import Presence, Store, StoreCode, StoreError
+from kvsidecar_contract.placement import (
+    KEY_TAIL_PATTERN,
+    NO_BLOCK,
+    Chunk,
+    Hit,
+    compute_hit,
+    load_plan,
+    lookup_plan,
+    save_plan,
+)
 
 log = logging.getLogger(__name__)
 

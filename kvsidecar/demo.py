@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvsidecar.config import default_socket_path
+from kvsidecar_contract.paths import default_socket_path
 
 if TYPE_CHECKING:
     import torch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from kvsidecar.placement import PlacementError
 from kvsidecar.store.codes import StoreCode, StoreError
+from kvsidecar_contract.placement import PlacementError
 
 
 class RequestError(Exception):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsidecar.placement import Geometry, Layout, Parallel, block_key, parse_groups, writes_chunk
-from kvsidecar.placement.geometry import GroupGeometry
+from kvsidecar_contract.placement import Geometry, Layout, Parallel, block_key, parse_groups, writes_chunk
+from kvsidecar_contract.placement.geometry import GroupGeometry
 
 EXAMPLE_HASH = bytes(32)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden
+from kvsidecar_contract.limits import MAX_REGIONS
 
 SHM_DIR = "/dev/shm"
-MAX_REGIONS = 4096
 _SHM_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 

@@ -26,7 +26,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
 from kvsidecar.session import SessionRegistry
 from kvsidecar.store import Store
-from kvsidecar_client.proto import sidecar_pb2
+from kvsidecar_contract.proto import sidecar_pb2
 
 log = logging.getLogger("kvsidecar")
 

@@ -18,8 +18,8 @@ from kvsidecar.memory import MappingOwners, SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import Role, Session, SessionRegistry
 from kvsidecar.store import Store, StoreHealth
-from kvsidecar_client.proto import sidecar_pb2 as pb
-from kvsidecar_client.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvsidecar.errors import Forbidden, OutOfOrder, UnknownSession
 from kvsidecar.memory import SessionMemory
-from kvsidecar.placement import Geometry, Layout
+from kvsidecar_contract.placement import Geometry, Layout
 
 log = logging.getLogger(__name__)
 

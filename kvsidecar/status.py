@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsidecar.server import SERVICE_NAME
 from kvsidecar_client import TcpAuth
 from kvsidecar_client._channel import make_channel
-from kvsidecar_client.proto import sidecar_pb2, sidecar_pb2_grpc
+from kvsidecar_contract.proto import sidecar_pb2, sidecar_pb2_grpc
 
 EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2
 

@@ -12,16 +12,17 @@ from google.protobuf.message import DecodeError
 from kvsidecar.datapath import Failure
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory import CudaIpcMapping, RegionSpec, ShmMapping
-from kvsidecar.placement import GroupSpec, Kind, Layout, Parallel
 from kvsidecar.session import Role
-from kvsidecar_client.proto import sidecar_pb2 as pb
-
-MAX_HASHES = 1 << 20
-MAX_BLOCK_IDS = 1 << 20
-MAX_GROUPS = 64
-MAX_HASH_BYTES = 64
-MAX_MODEL_CHARS = 1024
-MAX_NAME_CHARS = 256
+from kvsidecar_contract.limits import (
+    MAX_BLOCK_IDS,
+    MAX_GROUPS,
+    MAX_HASH_BYTES,
+    MAX_HASHES,
+    MAX_MODEL_CHARS,
+    MAX_NAME_CHARS,
+)
+from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 _KINDS = {
     pb.FULL_ATTENTION: Kind.FULL_ATTENTION,

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Regenerates the Python code of the wire contract (proto/) into the client distribution, which the daemon
-# depends on. tests/unit/test_proto_fresh.py fails when the committed code is stale.
+# Regenerates the Python code of the wire contract (proto/) into the contract distribution, which the daemon
+# and the client both depend on. tests/unit/test_proto_fresh.py fails when the committed code is stale.
 #   OUT=dir  generate there instead (the freshness test uses this)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-client/kvsidecar_client/proto}
+OUT=${OUT:-contract/kvsidecar_contract/proto}
 PY=${PY:-.venv/bin/python}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -57,7 +57,7 @@ pip install --no-warn-conflicts -c "$constraints" \
 installed xgrammar "$XGRAMMAR_VERSION" || pip install --no-deps --no-warn-conflicts "xgrammar==$XGRAMMAR_VERSION"
 
 # 5. The kvsidecar client (grpcio, protobuf) and the test tools.
-pip install --no-warn-conflicts -c "$constraints" -e ./client pytest pytest-timeout
+pip install --no-warn-conflicts -c "$constraints" -e ./contract -e ./client pytest pytest-timeout
 
 # The client's grpcio and protobuf must also be versions vLLM accepts: check them against vLLM's own metadata.
 "$VENV/bin/python" - <<'PY'

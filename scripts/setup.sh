@@ -34,5 +34,5 @@ fi
 
 # The CPU torch wheel first, so the daemon's torch>=2.4 is already satisfied and pip pulls no CUDA packages.
 "$VENV/bin/python" -c 'import torch' 2>/dev/null || pip install "torch==2.13.0"
-pip install -e ./client -e ".[$FLAVOUR,test]"
+pip install -e ./contract -e ./client -e ".[$FLAVOUR,test]"
 echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import kvsidecar; print(kvsidecar.__version__)'))"

@@ -30,7 +30,7 @@ from kvsidecar_client.errors import (
     Unsupported,
 )
 from kvsidecar_client.jobs import SaveJob
-from kvsidecar_client.layout import NO_BLOCK, EngineLayout, GroupSpec, SessionSpec
+from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
 from kvsidecar_client.memory import shared_tensor
 from kvsidecar_client.results import (
     FailedBlock,
@@ -41,6 +41,7 @@ from kvsidecar_client.results import (
     SaveResult,
     SessionInfo,
 )
+from kvsidecar_contract.limits import NO_BLOCK
 
 __version__ = "0.1.0"
 

@@ -22,16 +22,16 @@ from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import ClientClosed, DaemonUnavailable, InvalidRequest, PreconditionFailed, SessionLost
 from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
-from kvsidecar_client.proto import sidecar_pb2 as pb
 from kvsidecar_client.results import Hit, LoadResult, Registration, SaveResult, SessionInfo
 from kvsidecar_client.session import LiveSession, SessionKeeper, remaining
+from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["MAX_REGIONS", "SidecarClient"]
 
-MAX_REGIONS = 4096  # the contract's limit per session
 # Saves run as blocking calls on this many threads per client (the daemon runs 8 at once by default). A gRPC
 # future would start a thread of its own for every call: measured here, +0.1 ms p50 and ~4x the p99 of a save.
 _SAVE_WORKERS = 8

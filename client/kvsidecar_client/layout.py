@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvsidecar_client.errors import InvalidRequest
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.limits import MAX_GROUPS
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
 
@@ -22,8 +23,6 @@ _SLIDING = frozenset({"sliding_window", "sliding_window_mla"})
 
 ROLES: dict[str, pb.Role] = {"rank": pb.ROLE_RANK, "scheduler": pb.ROLE_SCHEDULER}
 
-MAX_GROUPS = 64  # the contract's limit per session
-NO_BLOCK = 0xFFFF_FFFF  # a block id meaning "no block for this span": saves skip it, loads report it failed
 _U32 = 2**32 - 1
 
 

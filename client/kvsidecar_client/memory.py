@@ -30,7 +30,7 @@ from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvsidecar_client.errors import InvalidRequest
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["FailedBlock", "GroupPlacement", "Hit", "LoadResult", "Registration", "SaveResult", "SessionInfo"]
 

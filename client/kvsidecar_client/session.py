@@ -34,9 +34,9 @@ from kvsidecar_client.errors import (
 )
 from kvsidecar_client.layout import SessionSpec
 from kvsidecar_client.memory import describe_regions
-from kvsidecar_client.proto import sidecar_pb2 as pb
-from kvsidecar_client.proto.sidecar_pb2_grpc import SidecarStub
 from kvsidecar_client.results import Registration, SessionInfo
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto.sidecar_pb2_grpc import SidecarStub
 
 if TYPE_CHECKING:
     import torch

@@ -18,8 +18,8 @@ from kvsidecar.bench.procs import BenchError, DaemonProcess, native_output_to
 from kvsidecar.bench.progress import Progress
 from kvsidecar.bench.shapes import BLOCK_TOKENS, hashes_for
 from kvsidecar.bench.stats import Samples
-from kvsidecar.placement import Geometry, Layout, Parallel, compute_hit, lookup_plan, parse_groups
 from kvsidecar.store.mooncake_store import prefix_regex
+from kvsidecar_contract.placement import Geometry, Layout, Parallel, compute_hit, lookup_plan, parse_groups
 
 __all__ = ["GROUPS", "LookupPoint", "measure_lookups"]
 

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple, Protocol
 
 from kvsidecar.bench.procs import BenchError, DaemonProcess, RealClientProcess, native_output_to
 from kvsidecar.bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, Request
-from kvsidecar.placement import Geometry
 from kvsidecar.store.mooncake_store import prefix_regex
+from kvsidecar_contract.placement import Geometry
 
 __all__ = ["DaemonPath", "DataPath", "InProcessPath", "MemcpyPath", "RealClientPath", "Timing", "model_name"]
 

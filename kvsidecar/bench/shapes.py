@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvsidecar.placement import Chunk, Geometry, Layout, Parallel, load_plan, parse_groups, save_plan
+from kvsidecar_contract.placement import Chunk, Geometry, Layout, Parallel, load_plan, parse_groups, save_plan
 
 if TYPE_CHECKING:
     import torch

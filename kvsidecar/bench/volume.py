@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 from kvsidecar.bench.procs import BenchError, DaemonProcess
 from kvsidecar.bench.progress import Progress
 from kvsidecar.bench.shapes import BLOCK_TOKENS, GQA, MLA, EngineMemory, ModelShape, Request
-from kvsidecar.placement import Geometry
-from kvsidecar.placement.keys import block_key, namespace_prefix
 from kvsidecar.store.mooncake_store import prefix_regex
+from kvsidecar_contract.placement import Geometry
+from kvsidecar_contract.placement.keys import block_key, namespace_prefix
 
 __all__ = ["CASES", "VolumeResult", "master_allocated_bytes", "measure_volume"]
 

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvsidecar.placement import Layout
 from kvsidecar_client import SidecarClient
+from kvsidecar_contract.placement import Layout
 from support.e2e_engine import SimEngine, TensorSpec, scheduler
 from support.e2e_rank import RankProcess
 from support.processes import DaemonProcess

@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from kvsidecar.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
 from kvsidecar.store import StoreCode
+from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
 from support.e2e_bytes import POISON, Prompt, chained_hashes, digest, pattern
 from support.e2e_engine import (
     GQA,

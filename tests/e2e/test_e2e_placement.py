@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from kvsidecar.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
 from kvsidecar.store import StoreCode
 from kvsidecar_client import Hit
+from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
 from support.e2e_bytes import Prompt
 from support.e2e_engine import (
     GQA,

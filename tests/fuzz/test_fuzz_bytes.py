@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzsessions import Guarded, check_memory, close_all
 from support.fuzzstrategies import SessionShape, chain, load_requests, lookup_requests, save_requests
 from support.fuzzwire import METHODS, Wire, check_clean, fuzz_settings

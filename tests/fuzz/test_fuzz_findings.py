@@ -18,7 +18,7 @@ import pytest
 from kvsidecar.master import EmbeddedMaster
 from kvsidecar.store import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzdaemon import FuzzDaemon
 from support.fuzzwire import Wire, check_clean
 from support.guarded import Geometry, GuardedSegment, region

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzsessions import Guarded, check_memory
 from support.fuzzstrategies import SessionShape, chain, load_requests, lookup_requests, save_requests
 from support.fuzzwire import Wire, check_clean, fuzz_settings

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzsessions import Guarded, check_memory, close_all
 from support.fuzzstrategies import EDGE_U64, U32_MAX, U64_MAX, chain, mutated, u32, u64
 from support.fuzzwire import Wire, check_clean, fuzz_settings

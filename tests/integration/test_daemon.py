@@ -13,7 +13,7 @@ import urllib.request
 import grpc
 import pytest
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.processes import DaemonProcess
 from support.rawrank import RawRank, group, open_request
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.metric_names import metric_names_in_deploy, sample_names
 from kvsidecar.master import EmbeddedMaster
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.processes import DaemonProcess, free_port, stop_pid
 from support.rawrank import RawRank, group, open_request
 

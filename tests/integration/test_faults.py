@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvsidecar.master import EmbeddedMaster
-from kvsidecar.placement import Geometry, GroupSpec, Kind, Layout, block_key
 from kvsidecar.store import StoreCode
 from kvsidecar_client import DaemonUnavailable, EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
+from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, block_key
 from support.processes import DaemonProcess
 from support.rawrank import RawRank, group, open_request
 from support.storage_node import StorageNode

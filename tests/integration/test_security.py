@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from kvsidecar_client import EngineLayout, GroupSpec, PermissionDenied, SidecarClient, TcpAuth
-from kvsidecar_client.proto import sidecar_pb2 as pb
-from kvsidecar_client.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 from support.certs import make_pki
 from support.processes import DaemonProcess, free_port
 from support.rawrank import RawRank, group, open_request

@@ -22,8 +22,8 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from kvsidecar import wire
-from kvsidecar.placement import Layout
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.placement import Layout
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.oracle import group_bytes
 
 GARBAGE = 0xEE

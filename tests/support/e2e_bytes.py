@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvsidecar.placement import GroupSpec, Layout
+from kvsidecar_contract.placement import GroupSpec, Layout
 from support.oracle import group_bytes
 
 POISON = 0xA5  # what a cleared (freshly allocated) block holds before a load

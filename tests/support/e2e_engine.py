@@ -16,8 +16,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.placement import Layout
 from kvsidecar_client import EngineLayout, GroupSpec, Hit, SidecarClient
+from kvsidecar_contract.placement import Layout
 from support import e2e_bytes
 from support.e2e_bytes import Prompt, RankId
 from support.e2e_rank import RankProcess, each

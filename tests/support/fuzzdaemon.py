@@ -8,8 +8,8 @@ from pathlib import Path
 
 import grpc
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
-from kvsidecar_client.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 from support.processes import DaemonProcess
 
 GiB = 1 << 30

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzwire import Outcome, Wire
 from support.guarded import Geometry, GuardedSegment, Range
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import grpc
 from hypothesis import HealthCheck, Phase, settings
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 SERVICE = "/kvsidecar.v1.Sidecar/"
 METHODS: dict[str, tuple[type[Any], type[Any]]] = {

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 SHM_DIR = "/dev/shm"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvsidecar.placement import GroupSpec, Kind, Layout
+from kvsidecar_contract.placement import GroupSpec, Kind, Layout
 
 
 def member_bytes(kind: Kind, tp_rank: int, tp_size: int, num_kv_heads: int, dcp_size: int) -> Hashable:

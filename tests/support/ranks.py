@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvsidecar.placement import Geometry, Layout
+from kvsidecar_contract.placement import Geometry, Layout
 
 
 def rank_layout(layout: Layout, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> Layout:

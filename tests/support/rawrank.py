@@ -13,8 +13,8 @@ from multiprocessing import shared_memory
 
 import grpc
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
-from kvsidecar_client.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 
 KIND = {
     "full_attention": pb.FULL_ATTENTION,

@@ -9,7 +9,7 @@ import traceback
 
 import grpc
 
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzsessions import Guarded, check_memory
 from support.fuzzwire import Wire, check_clean
 from support.guarded import Geometry, GuardedSegment, region

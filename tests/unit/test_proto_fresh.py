@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = ROOT / "client" / "kvsidecar_client" / "proto"
+GENERATED = ROOT / "contract" / "kvsidecar_contract" / "proto"
 
 
 def test_generated_code_is_fresh(tmp_path):

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 from kvsidecar_client import NO_BLOCK, EngineLayout, GroupSpec, InvalidRequest
 from kvsidecar_client.results import GroupPlacement, SessionInfo
 from kvsidecar_client.vllm.plan import check_save, load_block_ids, saved_chunks, shape_of
-from kvsidecar_client.vllm.settings import ConnectorSettings, default_socket
+from kvsidecar_client.vllm.settings import ConnectorSettings
 from kvsidecar_client.vllm.specs import (
     UnsupportedSpec,
     engine_groups,
@@ -31,6 +31,7 @@ from kvsidecar_client.vllm.specs import (
     hash_bytes,
     parallel_layout,
 )
+from kvsidecar_contract.paths import default_target
 
 F32 = torch.float32
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=F32)
@@ -108,8 +109,8 @@ def test_settings_from_extra_config():
         "prod",
         0.5,
     )
-    assert ConnectorSettings.from_extra_config(None).socket == default_socket()
-    assert default_socket({"XDG_RUNTIME_DIR": "/run/user/7"}) == "unix:///run/user/7/kvsidecar/kvsidecar.sock"
+    assert ConnectorSettings.from_extra_config(None).socket == default_target()
+    assert default_target({"XDG_RUNTIME_DIR": "/run/user/7"}) == "unix:///run/user/7/kvsidecar/kvsidecar.sock"
     for bad in ({"sokcet": "x"}, {"timeouts": {"lookup": 0}}, {"timeouts": {"soon": 1}}, {"cache_prefix": 3}):
         with pytest.raises(InvalidRequest):
             ConnectorSettings.from_extra_config(bad)

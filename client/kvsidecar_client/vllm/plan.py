@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvsidecar_client.layout import NO_BLOCK, GroupSpec
+from kvsidecar_client.layout import GroupSpec
 from kvsidecar_client.results import SessionInfo
+from kvsidecar_contract.limits import NO_BLOCK
 
 __all__ = ["GroupShape", "SaveCheck", "Shape", "load_block_ids", "check_save", "saved_chunks", "shape_of"]
 

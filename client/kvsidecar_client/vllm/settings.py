@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import InvalidRequest
+from kvsidecar_contract.paths import default_target
 
-__all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings", "default_socket"]
+__all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings"]
 
 _KEYS = frozenset({"socket", "cache_prefix", "timeouts"})
 _TIMEOUTS = frozenset({"connect", "register", "save", "lookup", "load", "control"})
 # How much longer than a save's own deadline the worker waits for it before vLLM may reuse its blocks: past the
 # deadline the daemon starts no put and removes what it wrote late, so the blocks are free again.
 DEFAULT_WAIT_SLACK = 5.0
-
-
-def default_socket(env: Mapping[str, str] | None = None) -> str:
-    """The daemon's default socket: $XDG_RUNTIME_DIR/kvsidecar/kvsidecar.sock, else /tmp/kvsidecar-<uid>/...sock."""
-    env = os.environ if env is None else env
-    runtime = env.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "kvsidecar" if runtime else Path("/tmp") / f"kvsidecar-{os.getuid()}"
-    return f"unix://{base / 'kvsidecar.sock'}"
 
 
 @dataclass(frozen=True)
@@ -37,7 +28,7 @@ class ConnectorSettings:
     timeouts: per-call deadlines in seconds, any of connect, register, save, lookup, load, control.
     """
 
-    socket: str = field(default_factory=default_socket)
+    socket: str = field(default_factory=default_target)
     cache_prefix: str = ""
     deadlines: Deadlines = field(default_factory=Deadlines)
 
@@ -50,7 +41,7 @@ class ConnectorSettings:
             raise InvalidRequest(
                 f"unknown kv_connector_extra_config keys for KVSidecarConnector: {unknown}; expected {sorted(_KEYS)}"
             )
-        socket = extra.get("socket") or default_socket()
+        socket = extra.get("socket") or default_target()
         prefix = extra.get("cache_prefix", "")
         if not isinstance(socket, str) or not isinstance(prefix, str):
             raise InvalidRequest("kv_connector_extra_config: socket and cache_prefix must be strings")

@@ -17,8 +17,8 @@ from kvsidecar_client.errors import (
     Unsupported,
     from_rpc_error,
 )
-from kvsidecar_client.proto import sidecar_pb2 as pb
-from kvsidecar_client.proto.sidecar_pb2_grpc import SidecarStub
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto.sidecar_pb2_grpc import SidecarStub
 
 C = grpc.StatusCode
 

@@ -3,7 +3,7 @@
 import pytest
 
 from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest, SessionSpec
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 GROUPS = (
     GroupSpec("mla", block_size=16),

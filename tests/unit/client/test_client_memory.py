@@ -20,7 +20,7 @@ from kvsidecar_client.memory import (
     region_geometry,
     segment_of,
 )
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 
 def read_segment(name, size):

@@ -17,8 +17,8 @@ from kvsidecar_client import (
     SaveResult,
 )
 from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options, target
-from kvsidecar_client.proto import sidecar_pb2 as pb
 from kvsidecar_client.results import Registration, SessionInfo
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 
 def test_save_result_from_proto():

@@ -8,7 +8,7 @@ import pytest
 
 from kvsidecar.store import StoreCode, StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
-from kvsidecar_client.proto import sidecar_pb2 as pb
+from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.inprocess import InProcessDaemon
 from support.rawrank import RawRank, group, open_request
 

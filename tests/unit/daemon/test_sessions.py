@@ -3,8 +3,8 @@
 import pytest
 
 from kvsidecar.errors import UnknownSession
-from kvsidecar.placement import GroupSpec, Kind, Layout
 from kvsidecar.session import Role, SessionRegistry
+from kvsidecar_contract.placement import GroupSpec, Kind, Layout
 
 LAYOUT = Layout("m", (GroupSpec(Kind.MLA, 16),))
 

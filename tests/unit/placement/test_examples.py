@@ -1,6 +1,6 @@
 """The worked examples A-D of PLACEMENT.md, value for value."""
 
-from kvsidecar.placement import (
+from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
     Hit,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvsidecar.placement import (
+from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
     Kind,

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kvsidecar.placement import GroupSpec, InvalidLayout, Kind, Layout, Parallel, parse_group, parse_groups
+from kvsidecar_contract.placement import GroupSpec, InvalidLayout, Kind, Layout, Parallel, parse_group, parse_groups
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_spans_not_block_sizes_must_align_with_u():
 
 
 def test_absurd_layouts_are_refused_before_any_work():
-    from kvsidecar.placement import Geometry
+    from kvsidecar_contract.placement import Geometry
 
     # 1024 ranks x 256 stages x 2 groups of one namespace per rank: 2^19 namespaces.
     big = Layout("m", (GroupSpec(Kind.MAMBA, 16),) * 2, Parallel(tp_size=1024, pp_size=256), num_kv_heads=1)

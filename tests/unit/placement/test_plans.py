@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvsidecar.placement import (
+from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
     Hit,
@@ -137,7 +137,7 @@ def test_bad_save_and_load_requests():
 
 
 def test_no_block_spans_are_skipped_by_saves_and_kept_by_loads():
-    from kvsidecar.placement import NO_BLOCK
+    from kvsidecar_contract.placement import NO_BLOCK
 
     geo = geo_of(GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16))
     # vLLM keeps Mamba state only where a step ended: null blocks elsewhere.
@@ -156,7 +156,7 @@ def test_no_block_spans_are_skipped_by_saves_and_kept_by_loads():
 
 
 def test_a_lookup_too_large_to_probe_is_refused():
-    from kvsidecar.placement.lookup import MAX_PROBE_KEYS
+    from kvsidecar_contract.placement.lookup import MAX_PROBE_KEYS
 
     geo = geo_of(GroupSpec(Kind.MAMBA, 1), u=1, tp_size=64)  # 64 namespaces per boundary
     n = MAX_PROBE_KEYS // 64 + 1

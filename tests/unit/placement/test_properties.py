@@ -12,7 +12,7 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.placement import (
+from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
     Kind,

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from kvsidecar.placement import Geometry, GroupSpec, Kind, Layout, Parallel, replication_factor
+from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, replication_factor
 from support.oracle import group_bytes
 from support.ranks import rank_layout
 

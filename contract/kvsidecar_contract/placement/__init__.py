@@ -3,12 +3,20 @@
 No I/O here: ints, bytes and tuples in, frozen values out.
 """
 
-from kvsidecar.placement.chunks import NO_BLOCK, Chunk, SavePlan, check_hit, load_plan, save_plan, saved_boundaries
-from kvsidecar.placement.errors import InvalidLayout, InvalidRequest, PlacementError
-from kvsidecar.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
-from kvsidecar.placement.keys import KEY_TAIL_PATTERN, block_key, namespace_prefix
-from kvsidecar.placement.layout import GroupSpec, Kind, Layout, Parallel, parse_group, parse_groups
-from kvsidecar.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
+from kvsidecar_contract.limits import NO_BLOCK
+from kvsidecar_contract.placement.chunks import (
+    Chunk,
+    SavePlan,
+    check_hit,
+    load_plan,
+    save_plan,
+    saved_boundaries,
+)
+from kvsidecar_contract.placement.errors import InvalidLayout, InvalidRequest, PlacementError
+from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
+from kvsidecar_contract.placement.keys import KEY_TAIL_PATTERN, block_key, namespace_prefix
+from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, parse_group, parse_groups
+from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
 
 __all__ = [
     "KEY_TAIL_PATTERN",

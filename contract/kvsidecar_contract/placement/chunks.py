@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvsidecar.placement.errors import InvalidRequest
-from kvsidecar.placement.geometry import Geometry, GroupGeometry, writes_chunk
-from kvsidecar.placement.keys import block_key
-
-NO_BLOCK = 0xFFFF_FFFF  # a span the engine holds no block for (vLLM's null block): never read, never written
+from kvsidecar_contract.limits import NO_BLOCK
+from kvsidecar_contract.placement.errors import InvalidRequest
+from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, writes_chunk
+from kvsidecar_contract.placement.keys import block_key
 
 
 class Chunk(NamedTuple):

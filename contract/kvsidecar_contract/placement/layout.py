@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from kvsidecar.placement.errors import InvalidLayout
+from kvsidecar_contract.placement.errors import InvalidLayout
 
 # Limits far past any real engine that keep every derived value (spans, alignment, namespaces) small: an absurd
 # layout is refused at once instead of costing the daemon seconds and gigabytes.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvsidecar.placement.errors import InvalidLayout
-from kvsidecar.placement.keys import namespace_prefix
-from kvsidecar.placement.layout import MAX_TOKENS, GroupSpec, Layout
+from kvsidecar_contract.placement.errors import InvalidLayout
+from kvsidecar_contract.placement.keys import namespace_prefix
+from kvsidecar_contract.placement.layout import MAX_TOKENS, GroupSpec, Layout
 
 MAX_NAMESPACES = 1 << 16  # key prefixes a session precomputes, summed over its groups
 

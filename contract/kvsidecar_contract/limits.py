@@ -1,0 +1,23 @@
+"""The wire contract's limits and markers: one definition that the daemon and the client both import."""
+
+from __future__ import annotations
+
+__all__ = [
+    "MAX_BLOCK_IDS",
+    "MAX_GROUPS",
+    "MAX_HASHES",
+    "MAX_HASH_BYTES",
+    "MAX_MODEL_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_REGIONS",
+    "NO_BLOCK",
+]
+
+NO_BLOCK = 0xFFFF_FFFF  # a block id meaning "no block for this span" (vLLM's null block): saves skip it, loads fail it
+MAX_GROUPS = 64  # KV-cache groups per session
+MAX_REGIONS = 4096  # memory regions per session
+MAX_HASHES = 1 << 20  # block hashes per request
+MAX_BLOCK_IDS = 1 << 20  # block ids per request, all groups together
+MAX_HASH_BYTES = 64  # bytes of one block hash
+MAX_MODEL_CHARS = 1024  # characters of a model name
+MAX_NAME_CHARS = 256  # characters of a cache prefix or client name
