@@ -148,7 +148,9 @@ class SessionSpec:
         for name in ("model", "cache_prefix"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidRequest(f"{name} must be a str, got {getattr(self, name)!r}")
-        _check_u32("num_kv_heads", self.num_kv_heads)
+        _check_int("num_kv_heads", self.num_kv_heads)
+        if self.num_kv_heads > _U32:  # the contract bounds it from below only; the wire carries a uint32
+            raise InvalidRequest(f"num_kv_heads must be at most {_U32}, got {self.num_kv_heads}")
         _check_int("hash_block_size", self.hash_block_size)
         _check_u32("hash_bytes", self.hash_bytes, 1)
         if not isinstance(self.layout, EngineLayout):
