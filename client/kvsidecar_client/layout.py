@@ -8,15 +8,15 @@ from typing import Any, TypeVar
 
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_contract import placement
+from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.limits import MAX_GROUPS
 from kvsidecar_contract.placement import Kind
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
 
-# The group kinds of the wire contract, by the names PLACEMENT.md uses: the contract's kinds, each under the proto
-# enum value of the same name.
-KINDS: dict[str, pb.GroupKind] = {kind.value: pb.GroupKind.Value(kind.name) for kind in Kind}
+# The group kinds of the wire contract, by the names PLACEMENT.md uses.
+KINDS: dict[str, pb.GroupKind] = {kind.value: value for kind, value in PROTO_OF_KIND.items()}
 
 ROLES: dict[str, pb.Role] = {"rank": pb.ROLE_RANK, "scheduler": pb.ROLE_SCHEDULER}
 

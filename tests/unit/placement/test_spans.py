@@ -68,3 +68,12 @@ def test_spans_of_a_layout():
     assert (coarse.spans, coarse.fine_grained, coarse.unit) == ((32, 48), False, 96)
     assert coarse.load(96, 32) == [range(1, 3), range(0, 2)]
     assert coarse.save(96, 48) == [[(1, 64), (2, 96)], [(1, 96)]]
+
+
+def test_every_proto_group_kind_is_a_placement_kind():
+    from kvsidecar_contract.kinds import KIND_OF_PROTO, PROTO_OF_KIND
+    from kvsidecar_contract.proto import sidecar_pb2 as pb
+
+    named = {v.number for v in pb.GroupKind.DESCRIPTOR.values if v.number != pb.GROUP_KIND_UNSPECIFIED}
+    assert set(KIND_OF_PROTO) == named and set(PROTO_OF_KIND) == set(Kind)
+    assert all(pb.GroupKind.Name(PROTO_OF_KIND[k]) == k.name for k in Kind)
