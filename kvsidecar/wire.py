@@ -25,6 +25,7 @@ from kvsidecar.values import (
     SessionSummary,
     ShmHandle,
 )
+from kvsidecar_contract.kinds import KIND_OF_PROTO
 from kvsidecar_contract.limits import (
     MAX_BLOCK_IDS,
     MAX_GROUPS,
@@ -33,17 +34,9 @@ from kvsidecar_contract.limits import (
     MAX_MODEL_CHARS,
     MAX_NAME_CHARS,
 )
-from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel
+from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, Parallel
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
-_KINDS = {
-    pb.FULL_ATTENTION: Kind.FULL_ATTENTION,
-    pb.SLIDING_WINDOW: Kind.SLIDING_WINDOW,
-    pb.MLA: Kind.MLA,
-    pb.SLIDING_WINDOW_MLA: Kind.SLIDING_WINDOW_MLA,
-    pb.MAMBA: Kind.MAMBA,
-    pb.UNIFORM: Kind.UNIFORM,
-}
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
 ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
 
@@ -126,14 +119,14 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
 
 
 def _group(index: int, g: Any) -> GroupSpec:
-    if g.kind not in _KINDS:
+    if g.kind not in KIND_OF_PROTO:
         raise BadRequest(f"group {index}: kind must be set")
     inner = []
     for k in g.inner:
-        if k not in _KINDS:
+        if k not in KIND_OF_PROTO:
             raise BadRequest(f"group {index}: member kinds must be set")
-        inner.append(_KINDS[k])
-    return GroupSpec(_KINDS[g.kind], g.block_size, g.window, tuple(inner))
+        inner.append(KIND_OF_PROTO[k])
+    return GroupSpec(KIND_OF_PROTO[g.kind], g.block_size, g.window, tuple(inner))
 
 
 def regions(items: Sequence[Any]) -> list[RegionRequest]:
