@@ -1,4 +1,4 @@
-"""Authentication of the TCP listener: TLS (optionally with client certificates) and a bearer token."""
+"""Authentication of the TCP listener: TLS (optionally with client certificates) and bearer tokens."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import hmac
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from kvsidecar.config import Config, ConfigError
+from kvsidecar.tenants import hash_token
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,20 @@ def server_credentials(config: Config) -> grpc.ServerCredentials:
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call without `authorization: Bearer <token>` (health checks excepted)."""
+    """Refuses every call without `authorization: Bearer <token>` of a known token (health checks excepted).
 
-    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
-        self._expected = f"Bearer {token}".encode()
+    Tokens are kept as SHA-256 hashes (`hash_token`): the --token-file token and every tenant's, asked for at each
+    call so a reloaded tenants file applies at once. Every hash is compared in constant time.
+    """
+
+    def __init__(
+        self,
+        token: str | None,
+        on_refused: Callable[[str], None] | None = None,
+        more: Callable[[], Sequence[bytes]] = tuple,
+    ) -> None:
+        self._fixed = [hash_token(token).encode()] if token else []
+        self._more = more
         self._on_refused = on_refused
 
     async def intercept_service(
@@ -68,9 +79,11 @@ class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         metadata: Any = details.invocation_metadata or ()
         sent = next((v for k, v in metadata if k == "authorization"), "")
-        sent_bytes = sent.encode() if isinstance(sent, str) else bytes(sent)
-        if hmac.compare_digest(sent_bytes, self._expected):
-            return handler
+        sent_text = sent if isinstance(sent, str) else bytes(sent).decode(errors="replace")
+        if sent_text.startswith("Bearer "):
+            digest = hash_token(sent_text.removeprefix("Bearer ")).encode()
+            if any([hmac.compare_digest(digest, h) for h in [*self._fixed, *self._more()]]):
+                return handler
         if self._on_refused is not None:
             self._on_refused(method)
         return _refusal(handler)

@@ -61,6 +61,7 @@ class Config:
     tls_key: str = ""
     tls_client_ca: str = ""  # client certificates signed by this CA are required
     token_file: str = ""  # clients must send `authorization: Bearer <token>`
+    tenants: str = ""  # TOML file of tenants: credentials, cache prefixes, budgets (empty: single-tenant)
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     master: str = ""  # empty: start an embedded mooncake_master on loopback
     master_binary: str = ""
@@ -100,8 +101,10 @@ class Config:
             # The Unix socket is guarded by file permissions; a TCP port has no such guard, so it never runs open.
             if not (self.tls_cert and self.tls_key):
                 raise ConfigError("--listen needs --tls-cert and --tls-key: the TCP listener only speaks TLS")
-            if not (self.tls_client_ca or self.token_file):
-                raise ConfigError("--listen needs --tls-client-ca and/or --token-file: TCP clients must authenticate")
+            if not (self.tls_client_ca or self.token_file or self.tenants):
+                raise ConfigError(
+                    "--listen needs --tls-client-ca, --token-file and/or --tenants: TCP clients must authenticate"
+                )
         elif self.tls_cert or self.tls_key or self.tls_client_ca or self.token_file:
             raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
 
@@ -116,6 +119,12 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("tls_key", str, "PEM private key of the TCP listener"),
     ("tls_client_ca", str, "PEM CA bundle: TCP clients must present a certificate it signed"),
     ("token_file", str, "file holding a bearer token TCP clients must send (authorization: Bearer <token>)"),
+    (
+        "tenants",
+        str,
+        "TOML file mapping tenants to credentials (uids/gids, token hashes, certificate subjects), the cache prefixes "
+        "they may use and their write budgets; SIGHUP reloads it (default: single-tenant)",
+    ),
     ("metrics_address", str, "host:port of the Prometheus /metrics endpoint (default: %(default)s)"),
     ("master", str, "host:port of an existing mooncake_master (default: start one on loopback)"),
     ("master_binary", str, "path of mooncake_master for the embedded master (default: next to python, or PATH)"),

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from kvsidecar.budget import TENANT_BUDGET_REASON, WriteBudget
 from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import Session
@@ -63,10 +64,17 @@ class NoSpaceBackoff:
 class DataPath:
     """Runs each request's plan with one batch call per step, and counts everything for operators."""
 
-    def __init__(self, store: Store, metrics: Metrics, backoff: NoSpaceBackoff | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        backoff: NoSpaceBackoff | None = None,
+        budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
+    ) -> None:
         self.store = store
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
+        self._budget_of = budget_of
 
     def save(
         self,
@@ -96,6 +104,13 @@ class DataPath:
                 self.metrics.store_errors.labels("exists", exc.code.value).inc()
                 return self._save_failed(session, plan.chunks, exc.code, plan.others)
             todo = [i for i, p in enumerate(presence) if p is not Presence.PRESENT]
+            # A tenant past its write budget writes the values that fit, in prompt order; the rest are skipped,
+            # so its floods cannot evict every other tenant's working set.
+            over_budget: list[int] = []
+            budget = self._budget_of(session.tenant) if session.tenant else None
+            if budget is not None and todo:
+                fit = budget.admit([memory.value_bytes[plan.chunks[i].group] for i in todo])
+                todo, over_budget = todo[:fit], todo[fit:]
             if _past(deadline):
                 codes = [StoreCode.DEADLINE_EXCEEDED] * len(todo)
             elif todo and self.backoff.active():
@@ -114,11 +129,15 @@ class DataPath:
                     self.backoff.record(StoreCode.NO_SPACE in codes)
                 if _past(deadline):
                     codes = self._revoke([keys[i] for i in todo], codes)
-        skipped = len(plan.chunks) - len(todo)
+        skipped = len(plan.chunks) - len(todo) - len(over_budget)
         written = 0
         bytes_written = 0
-        failures = []
         kinds = _kinds(session)
+        failures = [Failure(plan.chunks[i].group, plan.chunks[i].block_id, TENANT_BUDGET_REASON) for i in over_budget]
+        for f in failures:
+            self.metrics.save_failed_blocks.labels(kinds[f.group], TENANT_BUDGET_REASON).inc()
+        if session.tenant and over_budget:
+            self.metrics.tenant_refused.labels(session.tenant, TENANT_BUDGET_REASON).inc(len(over_budget))
         # Counted per group and added to the metrics once per group: a save moves hundreds of chunks.
         saved_per_group = [0] * len(kinds)
         for i, code in zip(todo, codes, strict=True):
@@ -140,6 +159,9 @@ class DataPath:
             if skipped_per_group[g]:
                 self.metrics.save_skipped_blocks.labels(kind).inc(skipped_per_group[g])
         self.metrics.saved_bytes.inc(bytes_written)
+        if session.tenant:
+            self.metrics.tenant_saved_blocks.labels(session.tenant).inc(written)
+            self.metrics.tenant_saved_bytes.labels(session.tenant).inc(bytes_written)
         return SaveOutcome(written, skipped, tuple(failures), plan.others, bytes_written, plan.absent)
 
     def lookup(self, session: Session, hashes: Sequence[bytes], num_tokens: int, eagle: bool) -> LookupOutcome:
@@ -147,6 +169,8 @@ class DataPath:
         geo = session.geometry
         plan = lookup_plan(geo, hashes, num_tokens)
         self.metrics.lookup_tokens.inc(num_tokens)
+        if session.tenant:
+            self.metrics.tenant_lookup_tokens.labels(session.tenant).inc(num_tokens)
         if not plan.keys:
             self.metrics.lookup_requests.labels("miss").inc()
             return LookupOutcome(Hit(0, (0,) * len(geo.groups)), False, "")
@@ -161,6 +185,8 @@ class DataPath:
         present = list(map(operator.is_, presence, itertools.repeat(Presence.PRESENT)))
         hit = compute_hit(geo, num_tokens, plan.stored(present), eagle=eagle)
         self.metrics.lookup_hit_tokens.inc(hit.tokens)
+        if session.tenant:
+            self.metrics.tenant_lookup_hit_tokens.labels(session.tenant).inc(hit.tokens)
         # Unanswered probes count as missing (never as hits); the answer says it may be shorter than the truth.
         unknown = presence.count(Presence.UNKNOWN)
         if unknown:
@@ -215,6 +241,9 @@ class DataPath:
             if loaded_per_group[g]:
                 self.metrics.loaded_blocks.labels(kind).inc(loaded_per_group[g])
         self.metrics.loaded_bytes.inc(nbytes)
+        if session.tenant:
+            self.metrics.tenant_loaded_blocks.labels(session.tenant).inc(loaded)
+            self.metrics.tenant_loaded_bytes.labels(session.tenant).inc(nbytes)
         return LoadOutcome(loaded, nbytes, tuple(failures))
 
     def reset(self, session: Session) -> int:

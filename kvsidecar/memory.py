@@ -1,4 +1,4 @@
-"""Engine memory the daemon maps: shared-memory and CUDA IPC mappings, strided regions, and every address.
+"""Engine memory the daemon maps: sealed memfds, shared-memory and CUDA IPC mappings, strided regions, every address.
 
 Nothing else in the daemon computes an address. A block id becomes an address only here, after a bounds check
 against the region it falls in, and a mapping is unmapped only when no store call is using it.
@@ -7,6 +7,7 @@ against the region it falls in, and a mapping is unmapped only when no store cal
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import re
@@ -18,7 +19,7 @@ from functools import partial
 from typing import Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden
-from kvsidecar.values import CudaHandle, RegionRequest, ShmHandle
+from kvsidecar.values import CudaHandle, MemfdHandle, RegionRequest, ShmHandle
 from kvsidecar_contract.limits import MAX_REGIONS
 
 SHM_DIR = "/dev/shm"
@@ -87,6 +88,54 @@ class ShmMapping:
         del self._view
         self._mm.close()
         os.close(self._fd)
+
+
+class MemfdMapping:
+    """A memfd passed over the side socket, sealed against shrinking: its pages cannot vanish under a transfer.
+
+    That is what makes CPU memory safe to map from a rank the daemon does not trust: a /dev/shm segment can be
+    truncated while a transfer runs (SIGBUS in the daemon), a memfd with F_SEAL_SHRINK cannot, by anyone.
+    """
+
+    def __init__(self, fd: int, index: int, size: int) -> None:
+        self.name = f"memfd #{index}"
+        try:
+            st = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise BadRequest(f"{self.name} is not a sealable memfd: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise BadRequest(f"{self.name} is not a memfd")
+        if not seals & fcntl.F_SEAL_SHRINK:
+            # Sealing it here is as good as the engine doing it: seals are never removed, by anyone.
+            try:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            except OSError as exc:
+                raise BadRequest(
+                    f"{self.name} is not sealed against shrinking (F_SEAL_SHRINK) and cannot be: {exc.strerror}"
+                ) from None
+        size_now = os.fstat(fd).st_size
+        if size > size_now:
+            raise BadRequest(f"{self.name} has {size_now} bytes, region claims {size}")
+        try:
+            # Backing every page now keeps a later fault on a full memory cgroup out of the transfer.
+            os.posix_fallocate(fd, 0, size)
+            # mmap keeps its own duplicate of the descriptor; the session closes the one it was handed.
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise BadRequest(f"cannot map {self.name} read-write ({size} bytes): {exc.strerror}") from None
+        self._view = (ctypes.c_char * size).from_buffer(self._mm)
+        self.address = ctypes.addressof(self._view)
+        self.size = size
+        self.identity: tuple[object, ...] = ("memfd", st.st_dev, st.st_ino)
+
+    def check(self) -> None:
+        """A memfd sealed against shrinking stays whole for as long as it is mapped."""
+
+    def close(self) -> None:
+        """Unmap it; the engine's own mapping is untouched."""
+        del self._view
+        self._mm.close()
 
 
 class CudaIpcMapping:
@@ -164,21 +213,40 @@ class RegionSpec:
     groups: tuple[int, ...]
 
 
-def region_specs(regions: Sequence[RegionRequest]) -> list[RegionSpec]:
-    """The regions of a RegisterMemory request with how each one's memory is opened (mapped later, by SessionMemory)."""
+def region_specs(
+    regions: Sequence[RegionRequest], fds: Sequence[int] = (), *, shm_names: bool = True
+) -> list[RegionSpec]:
+    """The regions of a RegisterMemory request with how each one's memory is opened (mapped later, by SessionMemory).
+
+    fds are the memfds the session passed over its side socket, in order; shm_names says whether /dev/shm names
+    are accepted from this session (only from trusted ranks: a named segment can be truncated under a transfer).
+    """
     out = []
     for i, r in enumerate(regions):
         handle = r.handle
-        if isinstance(handle, ShmHandle):
+        if isinstance(handle, MemfdHandle):
+            if not 0 <= handle.index < len(fds):
+                raise BadRequest(
+                    f"region {i}: memfd index {handle.index}, but the session passed {len(fds)} memfds over its "
+                    "side socket"
+                )
+            key = f"memfd:{handle.index}"
+            opener: Callable[[int], Mapping] = partial(MemfdMapping, fds[handle.index], handle.index)
+        elif isinstance(handle, ShmHandle):
+            if not shm_names:
+                raise Forbidden(
+                    f"region {i}: /dev/shm names are for trusted ranks only (the tenant has no shm_names right): "
+                    "pass sealed memfds over the side socket (kvsidecar_client.shared_tensor does)"
+                )
             if not handle.name:
                 raise BadRequest(f"region {i}: shared-memory name is empty")
             key = "shm:" + handle.name
-            opener: Callable[[int], Mapping] = partial(ShmMapping, handle.name)
+            opener = partial(ShmMapping, handle.name)
         elif isinstance(handle, CudaHandle):
             key = f"cuda:{handle.device}:{handle.handle.hex()}:{handle.storage_offset}"
             opener = partial(CudaIpcMapping, handle)
         else:
-            raise BadRequest(f"region {i}: needs a shm or cuda handle")
+            raise BadRequest(f"region {i}: needs a shm or cuda handle, or a memfd")
         out.append(RegionSpec(key, opener, r.mapping_bytes, r.offset, r.stride, r.block_bytes, r.num_blocks, r.groups))
     return out
 

@@ -69,6 +69,44 @@ class Metrics:
             registry=r,
         )
 
+        # Per tenant; the label takes only names from the tenants file (and "none"), so it stays bounded.
+        self.tenant_lookup_tokens = Counter(
+            "kvsidecar_tenant_lookup_tokens", "Prompt tokens looked up, per tenant.", ["tenant"], registry=r
+        )
+        self.tenant_lookup_hit_tokens = Counter(
+            "kvsidecar_tenant_lookup_hit_tokens", "Tokens lookups hit, per tenant.", ["tenant"], registry=r
+        )
+        self.tenant_loaded_blocks = Counter(
+            "kvsidecar_tenant_loaded_blocks", "Values read into engine memory, per tenant.", ["tenant"], registry=r
+        )
+        self.tenant_loaded_bytes = Counter(
+            "kvsidecar_tenant_loaded_bytes", "Bytes read from the store, per tenant.", ["tenant"], registry=r
+        )
+        self.tenant_saved_blocks = Counter(
+            "kvsidecar_tenant_saved_blocks", "Values written to the store, per tenant.", ["tenant"], registry=r
+        )
+        self.tenant_saved_bytes = Counter(
+            "kvsidecar_tenant_saved_bytes", "Bytes written to the store, per tenant.", ["tenant"], registry=r
+        )
+        self.tenant_refused = Counter(
+            "kvsidecar_tenant_refused",
+            "Requests or values refused to a tenant: reason permission (a prefix or right it lacks) or tenant_budget "
+            "(values of saves past its write budget).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+
+    def tenant_totals(self, tenants: set[str]) -> dict[str, float]:
+        """The per-tenant counters summed over the given tenants, by sample name (Stats for a non-admin tenant)."""
+        out: dict[str, float] = {}
+        for metric in self.registry.collect():
+            if not metric.name.startswith("kvsidecar_tenant_"):
+                continue
+            for s in metric.samples:
+                if s.name.endswith("_total") and s.labels.get("tenant") in tenants:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
     def totals(self) -> dict[str, float]:
         """Every unlabelled counter's total, by sample name (for Stats)."""
         return {

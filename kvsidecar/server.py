@@ -20,12 +20,15 @@ from prometheus_client import start_http_server
 
 from kvsidecar import __version__, notify, wire
 from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_credentials
-from kvsidecar.config import Config, parse_address
+from kvsidecar.config import Config, ConfigError, parse_address
 from kvsidecar.datapath import DataPath
 from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
 from kvsidecar.session import SessionRegistry
+from kvsidecar.sidechannel import SideChannel
 from kvsidecar.store import Store
+from kvsidecar.tenancy import Tenancy
+from kvsidecar_contract.paths import side_socket_path
 from kvsidecar_contract.proto import sidecar_pb2
 
 log = logging.getLogger("kvsidecar")
@@ -74,6 +77,15 @@ def _server(service: SidecarService, health: health_aio.HealthServicer, config: 
     return server
 
 
+def _socket_gid(config: Config) -> int | None:
+    if not config.socket_group:
+        return None
+    try:
+        return grp.getgrnam(config.socket_group).gr_gid
+    except KeyError as exc:
+        raise DaemonError(f"cannot give the sockets to group {config.socket_group!r}: {exc}") from None
+
+
 def create_servers(
     service: SidecarService, config: Config, metrics: Metrics
 ) -> tuple[list[grpc.aio.Server], health_aio.HealthServicer, list[str]]:
@@ -97,10 +109,14 @@ def create_servers(
     if config.listen:
         check_files_exist(config)
         interceptors = []
-        if config.token_file:
-            refused = metrics.requests_rejected
+        refused = metrics.requests_rejected
+        tenancy = service.tenancy
+        # With client certificates, a tenants file's own credentials decide at OpenSession; without them the
+        # tenants' tokens guard the listener, as --token-file's does.
+        if config.token_file or (config.tenants and not config.tls_client_ca):
+            token = read_token(config.token_file) if config.token_file else None
             interceptors.append(
-                TokenAuth(read_token(config.token_file), lambda method: refused.labels(method, "UNAUTHENTICATED").inc())
+                TokenAuth(token, lambda method: refused.labels(method, "UNAUTHENTICATED").inc(), tenancy.token_hashes)
             )
         tcp = _server(service, health, config, interceptors=interceptors)
         port = tcp.add_secure_port(config.listen, server_credentials(config))
@@ -128,6 +144,8 @@ class Daemon:
         self._health: health_aio.HealthServicer | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self.service: SidecarService | None = None
+        self.side: SideChannel | None = None
+        self.tenancy: Tenancy | None = None
 
     async def start(self) -> None:
         """Start everything; on failure, stop what was started and raise DaemonError."""
@@ -141,6 +159,10 @@ class Daemon:
         cfg = self.config
         loop = asyncio.get_running_loop()
         claim_socket(cfg.socket)  # fail before starting a master if another daemon owns the socket
+        try:
+            self.tenancy = Tenancy(cfg.tenants)
+        except ConfigError as exc:
+            raise DaemonError(str(exc)) from None
         if self._store is None:
             if not cfg.master:
                 self._start_master()
@@ -156,14 +178,20 @@ class Daemon:
         sessions = SessionRegistry(
             cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
         )
+        tenancy = self.tenancy
         self.service = SidecarService(
-            DataPath(store, self.metrics),
+            DataPath(store, self.metrics, budget_of=tenancy.budget),
             sessions,
             self.metrics,
             workers=cfg.workers,
             master_address=self.master_address,
+            tenancy=tenancy,
+            side_socket=True,
         )
         self._servers, self._health, self.addresses = create_servers(self.service, cfg, self.metrics)
+        self.side = SideChannel(side_socket_path(cfg.socket), tenancy.tickets, sessions.accept_fds)
+        self.side.bind(cfg.socket_mode, _socket_gid(cfg))
+        self.side.start()
         for server in self._servers:
             await server.start()
         await self._check_store()
@@ -171,13 +199,14 @@ class Daemon:
         extra = f" tcp+tls {self.addresses[1]}" if len(self.addresses) > 1 else ""
         origin = "embedded" if self.master is not None else "external"
         log.info(
-            "kvsidecar %s ready: grpc %s%s, metrics %s, mooncake master %s (%s)",
+            "kvsidecar %s ready: grpc %s%s, metrics %s, mooncake master %s (%s), %s",
             __version__,
             self.addresses[0],
             extra,
             self.metrics_url,
             self.master_address or "none",
             origin,
+            tenancy.table.describe(),
         )
         notify.ready(f"serving on {self.addresses[0]}")
 
@@ -250,6 +279,20 @@ class Daemon:
             return
         log.info("embedded mooncake_master restarted as PID %s; its store starts empty", self.master.pid)
 
+    def reload_tenants(self) -> None:
+        """Read the tenants file again (SIGHUP): new sessions get the new rights; a bad file keeps the old ones."""
+        if self.tenancy is None:
+            return
+        if not self.tenancy.path:
+            log.info("SIGHUP: no tenants file to reload (single-tenant)")
+            return
+        try:
+            table = self.tenancy.reload()
+        except ConfigError as exc:
+            log.error("SIGHUP: tenants file not reloaded, the old rights stay: %s", exc)
+            return
+        log.info("SIGHUP: tenants reloaded: %s", table.describe())
+
     async def stop(self) -> None:
         """Stop in reverse order: refuse new work, drain, release sessions, close the store, stop the master."""
         notify.stopping()
@@ -262,6 +305,8 @@ class Daemon:
         if self.service is not None:
             self.service.stop_accepting()
         await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
+        if self.side is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
         loop = asyncio.get_running_loop()
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)
@@ -284,6 +329,7 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
     await daemon.start()
     await stop.wait()
     log.info("kvsidecar stopping")

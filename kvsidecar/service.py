@@ -16,11 +16,12 @@ import grpc
 
 from kvsidecar import wire
 from kvsidecar.datapath import DataPath
-from kvsidecar.errors import BadRequest, ShuttingDown
+from kvsidecar.errors import BadRequest, Forbidden, ShuttingDown
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import SessionRegistry
 from kvsidecar.statuses import status_of
 from kvsidecar.store import StoreHealth
+from kvsidecar.tenancy import Tenancy
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 
@@ -40,8 +41,12 @@ class SidecarService(pb_grpc.SidecarServicer):
         workers: int = 8,
         master_address: str = "",
         store_health: Callable[[], StoreHealth] | None = None,
+        tenancy: Tenancy | None = None,
+        side_socket: bool = False,
     ) -> None:
         self.datapath = datapath
+        self.tenancy = tenancy or Tenancy()
+        self._side_socket = side_socket  # whether sessions get a side secret (the daemon serves a side socket)
         self.sessions = sessions
         self.metrics = metrics
         self.master_address = master_address
@@ -70,10 +75,26 @@ class SidecarService(pb_grpc.SidecarServicer):
         return self.health
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+        caller = self.tenancy.caller(context)
+
         def run() -> pb.OpenSessionResponse:
             role, layout, hash_bytes = wire.open_request(request)
-            session = self.sessions.open(role, layout, hash_bytes, request.client_name)
-            return wire.open_response(session.id, self.sessions.ttl, session.geometry)
+            try:
+                tenant = self.tenancy.table.grant(caller, layout.cache_prefix, layout.model)
+            except Forbidden:
+                self.metrics.tenant_refused.labels(self.tenancy.label(caller), "permission").inc()
+                raise
+            session = self.sessions.open(
+                role,
+                layout,
+                hash_bytes,
+                request.client_name,
+                tenant=tenant,
+                caller=caller,
+                shm_names=self.tenancy.shm_names(tenant),
+            )
+            secret = session.side_secret if self._side_socket and caller.uid is not None else b""
+            return wire.open_response(session.id, self.sessions.ttl, session.geometry, secret, tenant)
 
         return await self._call(context, "OpenSession", self._lookup_pool, run, request)
 
@@ -137,15 +158,43 @@ class SidecarService(pb_grpc.SidecarServicer):
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         def run() -> pb.ResetResponse:
             with self.sessions.use(request.session_id) as session:
+                # Rights are asked again: a reloaded tenants file may have taken this prefix from the tenant.
+                layout = session.layout
+                try:
+                    self.tenancy.table.grant(session.caller, layout.cache_prefix, layout.model)
+                except Forbidden as exc:
+                    self.metrics.tenant_refused.labels(session.tenant or "none", "permission").inc()
+                    raise Forbidden(f"Reset refused: {exc}") from None
                 return wire.reset_response(self.datapath.reset(session))
 
         return await self._call(context, "Reset", self._data_pool, run, request)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        caller = self.tenancy.caller(context)
+
         def run() -> pb.StatsResponse:
             uptime = time.monotonic() - self._started
+            table = self.tenancy.table
             summaries = self.sessions.summaries()
-            return wire.stats_response(uptime, self.health, self.master_address, summaries, self.metrics.totals())
+            mine = {t.name for t in table.of(caller)}
+            if table.admin(caller):
+                counters = self.metrics.totals()
+            elif not mine:
+                self.metrics.tenant_refused.labels("none", "permission").inc()
+                raise Forbidden(f"Stats: {caller.describe()} is no tenant's credential (tenants file {table.source})")
+            else:
+                # A tenant sees its own sessions and counters only: others' traffic says what they serve.
+                summaries = [s for s in summaries if s.tenant in mine]
+                counters = self.metrics.tenant_totals(mine)
+            return wire.stats_response(
+                uptime,
+                self.health,
+                self.master_address,
+                summaries,
+                counters,
+                table.describe(),
+                ",".join(sorted(mine)),
+            )
 
         return await self._call(context, "Stats", self._lookup_pool, run, request)
 

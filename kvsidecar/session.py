@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import logging
+import os
 import secrets
 import threading
 import time
@@ -10,10 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvsidecar.errors import Forbidden, OutOfOrder, UnknownSession
+from kvsidecar.errors import BadRequest, Forbidden, OutOfOrder, UnknownSession
 from kvsidecar.memory import MappingOwners, SessionMemory, region_specs
 from kvsidecar.metrics import Metrics
+from kvsidecar.sidechannel import PeerCred
+from kvsidecar.tenants import SINGLE_TENANT, Caller
 from kvsidecar.values import RegionRequest, Role, SessionSummary
+from kvsidecar_contract.limits import MAX_REGIONS
 from kvsidecar_contract.placement import Geometry, Layout
 
 __all__ = ["Role", "Session", "SessionRegistry"]
@@ -37,6 +43,11 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: int = 0  # requests running now; a busy session never expires
     closed: bool = False  # set (under `lock`) when the session is released; nothing may attach to it afterwards
+    tenant: str = SINGLE_TENANT
+    caller: Caller = field(default_factory=Caller)  # the credentials OpenSession was called with
+    shm_names: bool = True  # may register /dev/shm names (trusted ranks only)
+    side_secret: bytes = b""  # proves side-socket requests for this session
+    pending_fds: list[int] = field(default_factory=list)  # memfds passed over the side socket, until RegisterMemory
 
     def require_memory(self) -> SessionMemory:
         """The session's memory, for saves and loads."""
@@ -58,6 +69,7 @@ class Session:
             mapped_bytes=memory.mapped_bytes if memory is not None else 0,
             age_seconds=now - self.opened_at,
             client_name=self.client_name,
+            tenant=self.tenant,
         )
 
 
@@ -85,7 +97,17 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
-    def open(self, role: Role, layout: Layout, hash_bytes: int, client_name: str) -> Session:
+    def open(
+        self,
+        role: Role,
+        layout: Layout,
+        hash_bytes: int,
+        client_name: str,
+        *,
+        tenant: str = SINGLE_TENANT,
+        caller: Caller | None = None,
+        shm_names: bool = True,
+    ) -> Session:
         """Create a session with an unguessable id (it is the credential for the session's memory)."""
         now = self._clock()
         session = Session(
@@ -97,13 +119,17 @@ class SessionRegistry:
             client_name=client_name,
             opened_at=now,
             expires_at=now + self.ttl,
+            tenant=tenant,
+            caller=caller or Caller(),
+            shm_names=shm_names,
+            side_secret=secrets.token_bytes(24),
         )
         with self._lock:
             self._sessions[session.id] = session
         self._metrics.sessions.labels(role.value).inc()
         p = layout.parallel
         log.info(
-            "session %s opened: %s %s tp %d/%d pp %d/%d pcp %d/%d dcp %d (%s)",
+            "session %s opened: %s %s tp %d/%d pp %d/%d pcp %d/%d dcp %d (%s)%s",
             session.id[:8],
             role.value,
             layout.model_key,
@@ -115,6 +141,7 @@ class SessionRegistry:
             p.pcp_size,
             p.dcp_size,
             client_name,
+            f" tenant {tenant}" if tenant else "",
         )
         return session
 
@@ -140,15 +167,47 @@ class SessionRegistry:
                 session.in_flight -= 1
                 session.expires_at = self._clock() + self.ttl
 
+    def accept_fds(self, session_id: str, secret: str, peer: PeerCred, fds: Sequence[int]) -> int:
+        """Keep memfds a rank passed over the side socket for its RegisterMemory; returns how many the session holds.
+
+        Only the process credentials that opened the session, with its side secret, may hand it descriptors.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+        refusal = "unknown session, wrong side secret, or another uid than the one that opened the session"
+        if session is None or session.closed:
+            raise UnknownSession(refusal)
+        try:
+            sent = bytes.fromhex(secret)
+        except ValueError:
+            sent = b""
+        same_secret = hmac.compare_digest(sent, session.side_secret)
+        if not same_secret or session.caller.uid != peer.uid:
+            raise Forbidden(refusal)
+        with session.lock:
+            if session.closed:
+                raise UnknownSession("the session was closed")
+            if session.memory is not None:
+                raise OutOfOrder("memory is already registered for this session: memfds come before RegisterMemory")
+            if len(session.pending_fds) + len(fds) > MAX_REGIONS:
+                raise BadRequest(f"at most {MAX_REGIONS} memfds per session")
+            session.pending_fds.extend(fds)
+            return len(session.pending_fds)
+
     def attach(self, session: Session, regions: Sequence[RegionRequest]) -> SessionMemory:
         """Map a rank's regions, claim them and register them with the store, once per session; all or nothing."""
         if session.role is not Role.RANK:
             raise Forbidden("a scheduler session cannot register memory")
-        specs = region_specs(regions)
         with session.lock:
             if session.memory is not None:
                 raise OutOfOrder("memory is already registered for this session (once per session)")
-        memory = SessionMemory(specs, len(session.layout.groups))
+            # The passed memfds are used by this registration or by none: a later one sends its own.
+            fds, session.pending_fds = session.pending_fds, []
+        try:
+            specs = region_specs(regions, fds, shm_names=session.shm_names)
+            memory = SessionMemory(specs, len(session.layout.groups))
+        finally:
+            _close_fds(fds)
         try:
             self._owners.claim(session.id, memory)
             for m in memory.mappings.values():
@@ -211,6 +270,8 @@ class SessionRegistry:
         with session.lock:
             session.closed = True
             memory, session.memory = session.memory, None
+            fds, session.pending_fds = session.pending_fds, []
+        _close_fds(fds)
         if memory is not None:
             self._metrics.regions_bytes.dec(memory.mapped_bytes)
             self._owners.release(session.id, memory)
@@ -222,3 +283,9 @@ class SessionRegistry:
             self._unregister(address)
         except Exception as exc:
             log.warning("could not unregister buffer %#x from the store: %s", address, exc)
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

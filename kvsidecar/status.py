@@ -10,8 +10,9 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsidecar.server import SERVICE_NAME
-from kvsidecar_client import TcpAuth
+from kvsidecar_client import SidecarError, TcpAuth
 from kvsidecar_client._channel import make_channel
+from kvsidecar_client._side import side_socket_for
 from kvsidecar_contract.proto import sidecar_pb2, sidecar_pb2_grpc
 
 EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2
@@ -23,7 +24,14 @@ def query(target: str, timeout: float, auth: TcpAuth | None = None) -> dict[str,
         health = health_pb2_grpc.HealthStub(channel)
         daemon = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         sidecar = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
-        stats = sidecar_pb2_grpc.SidecarStub(channel).Stats(sidecar_pb2.StatsRequest(), timeout=timeout)
+        # Over the Unix socket, a side-socket ticket tells the daemon our uid: a tenant sees its own sessions.
+        side = side_socket_for(target) if auth is None else None
+        try:
+            metadata = tuple(side.metadata(timeout)) if side is not None else ()
+        except SidecarError:
+            metadata = ()  # an older daemon without a side socket, or one still starting
+        stub = sidecar_pb2_grpc.SidecarStub(channel)
+        stats = stub.Stats(sidecar_pb2.StatsRequest(), timeout=timeout, metadata=metadata or None)
     serving = health_pb2.HealthCheckResponse.SERVING
     return {
         "address": target,
@@ -41,6 +49,8 @@ def render(info: dict[str, Any]) -> str:
         + f", up {info['uptime_seconds']:.0f}s",
         f"store: {'healthy' if info['store_healthy'] else 'UNHEALTHY'} ({info['store_detail']}), "
         f"master {info['master_address'] or '-'}",
+        f"tenancy: {info.get('tenancy') or 'single-tenant'}"
+        + (f" (you: tenant {info['caller_tenant']})" if info.get("caller_tenant") else ""),
         f"sessions: {len(info['sessions'])}",
     ]
     for s in info["sessions"]:
@@ -49,6 +59,7 @@ def render(info: dict[str, Any]) -> str:
             f"  {s['session_id_prefix']}  {s['role'].removeprefix('ROLE_').lower():9}  {s['model']}"
             f"  tp {p['tp_rank']}/{p['tp_size']} pp {p['pp_rank']}/{p['pp_size']}"
             f"  {int(s['mapped_bytes']) / 2**20:.1f} MiB  {s['client_name']}"
+            + (f"  tenant {s['tenant']}" if s.get("tenant") else "")
         )
     if info["counters"]:
         lines.append("counters:")

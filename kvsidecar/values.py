@@ -13,6 +13,7 @@ from kvsidecar_contract.placement import Hit, Parallel
 
 __all__ = [
     "CudaHandle",
+    "MemfdHandle",
     "Failure",
     "LoadOutcome",
     "LookupOutcome",
@@ -39,6 +40,13 @@ class ShmHandle:
 
 
 @dataclass(frozen=True, slots=True)
+class MemfdHandle:
+    """The index-th sealed memfd the session handed over its side socket."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class CudaHandle:
     """A CUDA allocation of the engine, as torch's IPC reduction describes it."""
 
@@ -56,7 +64,7 @@ class CudaHandle:
 class RegionRequest:
     """One strided view of engine memory as a RegisterMemory request describes it (checked and mapped by memory.py)."""
 
-    handle: ShmHandle | CudaHandle | None  # None: the request named no handle
+    handle: ShmHandle | CudaHandle | MemfdHandle | None  # None: the request named no handle
     mapping_bytes: int
     offset: int
     stride: int
@@ -111,3 +119,4 @@ class SessionSummary(NamedTuple):
     mapped_bytes: int
     age_seconds: float
     client_name: str
+    tenant: str = ""

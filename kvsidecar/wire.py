@@ -19,6 +19,7 @@ from kvsidecar.values import (
     Failure,
     LoadOutcome,
     LookupOutcome,
+    MemfdHandle,
     RegionRequest,
     Role,
     SaveOutcome,
@@ -134,9 +135,11 @@ def regions(items: Sequence[Any]) -> list[RegionRequest]:
     out = []
     for r in items:
         which = r.WhichOneof("handle")
-        handle: ShmHandle | CudaHandle | None = None
+        handle: ShmHandle | CudaHandle | MemfdHandle | None = None
         if which == "shm":
             handle = ShmHandle(r.shm.name)
+        elif which == "memfd":
+            handle = MemfdHandle(r.memfd.index)
         elif which == "cuda":
             c = r.cuda
             handle = CudaHandle(
@@ -184,7 +187,9 @@ def failures(items: Sequence[Failure]) -> list[pb.FailedBlock]:
     return [pb.FailedBlock(group=f.group, block_id=f.block_id, reason=f.reason) for f in items]
 
 
-def open_response(session_id: str, lease_s: float, geo: Geometry) -> pb.OpenSessionResponse:
+def open_response(
+    session_id: str, lease_s: float, geo: Geometry, side_secret: bytes = b"", tenant: str = ""
+) -> pb.OpenSessionResponse:
     """A new session's id, lease and placement, as the engine needs them."""
     return pb.OpenSessionResponse(
         session_id=session_id,
@@ -201,6 +206,8 @@ def open_response(session_id: str, lease_s: float, geo: Geometry) -> pb.OpenSess
             for g in geo.groups
         ],
         daemon_version=__version__,
+        side_secret=side_secret,
+        tenant=tenant,
     )
 
 
@@ -255,6 +262,8 @@ def stats_response(
     master_address: str,
     sessions: Sequence[SessionSummary],
     counters: dict[str, float],
+    tenancy: str = "",
+    caller_tenant: str = "",
 ) -> pb.StatsResponse:
     """The daemon's state for operators."""
     return pb.StatsResponse(
@@ -265,6 +274,8 @@ def stats_response(
         master_address=master_address,
         sessions=[session_info(s) for s in sessions],
         counters=counters,
+        tenancy=tenancy,
+        caller_tenant=caller_tenant,
     )
 
 
@@ -288,4 +299,5 @@ def session_info(s: SessionSummary) -> pb.SessionInfo:
         mapped_bytes=s.mapped_bytes,
         age_seconds=s.age_seconds,
         client_name=s.client_name,
+        tenant=s.tenant,
     )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, TcpAuth, make_channel
+from kvsidecar_client._side import SideSocket, side_socket_for
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import ClientClosed, DaemonUnavailable, InvalidRequest, PreconditionFailed, SessionLost
 from kvsidecar_client.jobs import SaveJob
@@ -46,8 +47,15 @@ class SidecarClient:
     channel of your own.
     """
 
-    def __init__(self, channel: grpc.Channel, spec: SessionSpec, *, deadlines: Deadlines | None = None) -> None:
-        self._keeper = SessionKeeper(channel, spec, deadlines or Deadlines())
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        spec: SessionSpec,
+        *,
+        deadlines: Deadlines | None = None,
+        side: SideSocket | None = None,
+    ) -> None:
+        self._keeper = SessionKeeper(channel, spec, deadlines or Deadlines(), side)
         self._spec = spec
         self._deadlines = self._keeper.deadlines
         self._pending: set[concurrent.futures.Future[SaveResult]] = set()
@@ -89,7 +97,8 @@ class SidecarClient:
             hash_bytes=hash_bytes,
             client_name=_default_client_name() if client_name is None else client_name,
         )
-        client = cls(make_channel(address, max_message_bytes, auth), spec, deadlines=deadlines)
+        side = side_socket_for(address) if auth is None else None
+        client = cls(make_channel(address, max_message_bytes, auth), spec, deadlines=deadlines, side=side)
         try:
             client.start()
         except BaseException:
@@ -250,7 +259,8 @@ class SidecarClient:
         """Daemon, store and session state, as the daemon reports it."""
         self._keeper.check_open("Stats")
         timeout = self._deadlines.control if timeout is None else timeout
-        response: pb.StatsResponse = self._keeper.rpc("Stats", pb.StatsRequest(), timeout)
+        metadata = self._keeper.credentials(timeout, "Stats")
+        response: pb.StatsResponse = self._keeper.rpc("Stats", pb.StatsRequest(), timeout, metadata=metadata)
         return response
 
     def close(self, timeout: float | None = None) -> None:

@@ -1,6 +1,12 @@
 """Engine memory the daemon can map: shared-memory CPU tensors, and tensors described as MemoryRegion messages.
 
-Lifetime of a `shared_tensor` segment: the segment is created here (O_CREAT|O_EXCL under /dev/shm, mode 0600) and
+By default `shared_tensor` allocates a memfd sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL), which the client hands the daemon over its side socket (SCM_RIGHTS): nobody, this process included, can
+then truncate the memory under a transfer, so no rank can crash the daemon through it. The fd lives as long as the
+tensor's mapping. `named=True` makes a /dev/shm segment instead, for daemons reached over TCP (no fd passing); those
+are for trusted ranks only (a truncated segment under a running transfer crashes the daemon).
+
+Lifetime of a named `shared_tensor` segment: the segment is created here (O_CREAT|O_EXCL under /dev/shm, mode 0600) and
 mapped once; the tensor's storage holds the only reference to that mapping, so the mapping lives exactly as long as
 the tensor or any view of it. A `weakref.finalize` on the mapping unlinks the name when the last view dies, and at
 interpreter exit for segments still alive (finalize runs at exit by itself). Unlinking removes only the name: the
@@ -18,6 +24,7 @@ segment with the daemon's tracker too and would unlink the engine's segments whe
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import math
 import mmap
@@ -52,10 +59,16 @@ _U32 = 2**32 - 1
 
 
 class Segment(NamedTuple):
-    """A named shared-memory segment: its name under /dev/shm and its size in bytes."""
+    """A shared-memory segment: a sealed memfd (fd >= 0, no name) or a name under /dev/shm; its size in bytes."""
 
     name: str
     size: int
+    fd: int = -1
+
+    @property
+    def sealed(self) -> bool:
+        """A sealed memfd, passed to the daemon as a descriptor."""
+        return self.fd >= 0
 
 
 class RegionGeometry(NamedTuple):
@@ -85,8 +98,25 @@ def _release(name: str, base: int, creator_pid: int) -> None:
     resource_tracker.unregister("/" + name, "shared_memory")
 
 
-def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int = 0o600) -> torch.Tensor:
-    """A zero-filled CPU tensor backed by a new named POSIX shared-memory segment the daemon can map."""
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _close_fd(fd: int, base: int) -> None:
+    with _segments_lock:
+        if _segments.get(base, Segment("", 0)).fd == fd:
+            del _segments[base]
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def shared_tensor(
+    shape: int | Sequence[int], dtype: torch.dtype, *, mode: int = 0o600, named: bool = False
+) -> torch.Tensor:
+    """A zero-filled CPU tensor in memory the daemon can map: a sealed memfd, or with named=True a /dev/shm segment.
+
+    Sealed memfds reach the daemon over its Unix socket only; named segments also work with a TCP daemon on the
+    same node, for trusted ranks (see the module docstring). mode applies to named segments.
+    """
     import torch
 
     dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
@@ -94,6 +124,8 @@ def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int =
         raise InvalidRequest(f"a shared tensor needs a non-empty shape of positive sizes, got {shape!r}")
     numel = math.prod(dims)
     size = numel * dtype.itemsize
+    if not named:
+        return _sealed_tensor(dims, numel, size, dtype)
     pid = os.getpid()
     name = f"kvsidecar-{pid}-{next(_counter)}-{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
@@ -115,6 +147,27 @@ def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int =
         _segments[base] = Segment(name, size)
     weakref.finalize(mapping, _release, name, base, pid)
     # From here the tensor's storage owns the only reference to the mapping.
+    del mapping
+    return tensor
+
+
+def _sealed_tensor(dims: tuple[int, ...], numel: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
+    fd = os.memfd_create(f"kvsidecar-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)  # memfd pages read as zeros until written
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=numel).view(dims)
+    base = tensor.untyped_storage().data_ptr()
+    with _segments_lock:
+        _segments[base] = Segment("", size, fd)
+    # The descriptor is passed again at every (re-)registration, so it lives exactly as long as the mapping.
+    weakref.finalize(mapping, _close_fd, fd, base)
     del mapping
     return tensor
 
@@ -185,11 +238,17 @@ def cuda_ipc_handle(share: Sequence[Any]) -> pb.CudaIpcHandle:
 
 
 def describe_region(
-    tensor: torch.Tensor, groups: Sequence[int], *, cuda_handles: dict[tuple[int, int], pb.CudaIpcHandle] | None = None
+    tensor: torch.Tensor,
+    groups: Sequence[int],
+    *,
+    cuda_handles: dict[tuple[int, int], pb.CudaIpcHandle] | None = None,
+    fds: list[int] | None = None,
 ) -> pb.MemoryRegion:
     """One MemoryRegion for a KV-cache tensor: its handle, mapping size, block geometry and groups.
 
     `cuda_handles` memoizes CUDA IPC handles by (device, storage address) across the regions of one registration.
+    `fds` collects the memfds the registration passes over the side socket (a region names its fd by index);
+    None means there is no side socket (a TCP daemon), where only named segments can be registered.
     """
     if not groups or any(not isinstance(g, int) or g < 0 for g in groups):
         raise InvalidRequest(f"a region needs one or more group indices >= 0, got {groups!r}")
@@ -209,7 +268,17 @@ def describe_region(
                 "a CPU KV-cache tensor must live in shared memory the daemon can open: allocate it with "
                 "kvsidecar_client.shared_tensor(shape, dtype)"
             )
-        region.shm.name = segment.name
+        if segment.sealed:
+            if fds is None:
+                raise InvalidRequest(
+                    "a sealed memfd tensor reaches the daemon over its Unix socket only: for a daemon reached over "
+                    "TCP allocate with kvsidecar_client.shared_tensor(shape, dtype, named=True) (trusted ranks only)"
+                )
+            if segment.fd not in fds:
+                fds.append(segment.fd)
+            region.memfd.index = fds.index(segment.fd)
+        else:
+            region.shm.name = segment.name
         region.mapping_bytes = segment.size
     elif device == "cuda":
         # The handle names the caching allocator's whole block; storage_offset says where this storage starts in
@@ -233,7 +302,12 @@ def describe_region(
     return region
 
 
-def describe_regions(memory: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> list[pb.MemoryRegion]:
-    """The regions of one registration, in order; views of one CUDA storage share one IPC handle."""
+def describe_regions(
+    memory: Sequence[tuple[torch.Tensor, Sequence[int]]], fds: list[int] | None = None
+) -> list[pb.MemoryRegion]:
+    """The regions of one registration, in order; views of one CUDA storage share one IPC handle, of one memfd one fd.
+
+    fds (filled here) are the memfds to pass over the side socket first; None: no side socket.
+    """
     cuda_handles: dict[tuple[int, int], pb.CudaIpcHandle] = {}
-    return [describe_region(tensor, groups, cuda_handles=cuda_handles) for tensor, groups in memory]
+    return [describe_region(tensor, groups, cuda_handles=cuda_handles, fds=fds) for tensor, groups in memory]

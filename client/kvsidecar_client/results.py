@@ -117,6 +117,7 @@ class SessionInfo(NamedTuple):
     fine_grained_hits: bool
     groups: tuple[GroupPlacement, ...]
     daemon_version: str
+    tenant: str = ""  # the tenant the daemon put the session in ("" single-tenant)
 
     @classmethod
     def from_proto(cls, message: pb.OpenSessionResponse) -> SessionInfo:
@@ -125,5 +126,10 @@ class SessionInfo(NamedTuple):
             GroupPlacement(g.replication_factor, g.shard_id, g.keys_per_boundary, g.span_tokens) for g in message.groups
         )
         return cls(
-            message.lease_ms, message.hit_alignment_tokens, message.fine_grained_hits, groups, message.daemon_version
+            message.lease_ms,
+            message.hit_alignment_tokens,
+            message.fine_grained_hits,
+            groups,
+            message.daemon_version,
+            message.tenant,
         )

@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from kvsidecar_client._side import SideSocket
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
     ClientClosed,
     DaemonUnavailable,
     DeadlineExceeded,
+    InvalidRequest,
     PreconditionFailed,
     SessionLost,
     SidecarError,
@@ -58,6 +60,7 @@ class LiveSession:
 
     id: str
     info: SessionInfo
+    side_secret: bytes = b""  # proves this session's side-socket requests; empty when the daemon has no side socket
 
 
 def remaining(deadline: float, method: str) -> float:
@@ -71,8 +74,11 @@ def remaining(deadline: float, method: str) -> float:
 class SessionKeeper:
     """Owns the channel, the current session and the registered memory, and keeps the session alive."""
 
-    def __init__(self, channel: grpc.Channel, spec: SessionSpec, deadlines: Deadlines) -> None:
+    def __init__(
+        self, channel: grpc.Channel, spec: SessionSpec, deadlines: Deadlines, side: SideSocket | None = None
+    ) -> None:
         self.channel = channel
+        self.side = side  # the daemon's side socket (Unix-socket daemons): tickets and memfd passing
         self.stub = SidecarStub(channel)
         self.spec = spec
         self.deadlines = deadlines
@@ -135,7 +141,8 @@ class SessionKeeper:
     def register(self, memory: Memory, timeout: float) -> Registration:
         """Register memory on the current session (opening one if needed) and remember it for every later session."""
         # Describe every region before talking to the daemon, so bad tensors fail here with their reason.
-        regions = describe_regions(memory)
+        fds: list[int] = []  # sealed memfds to pass first; refused later if there is no side socket
+        regions = describe_regions(memory, fds)
         if not self._lock.acquire(timeout=timeout):
             raise DeadlineExceeded("the session is being re-opened; try again", method="RegisterMemory")
         try:
@@ -144,11 +151,11 @@ class SessionKeeper:
                 raise PreconditionFailed("memory is registered once per client", method="RegisterMemory")
             session = self._session or self._open_locked(wait_for_ready=False, timeout=self.deadlines.control)
             try:
-                registration = self._register_rpc(session, regions, timeout)
+                registration = self._register_rpc(session, regions, fds, timeout)
             except SessionLost:
                 self._session = None
                 session = self._open_locked(wait_for_ready=False, timeout=self.deadlines.control)
-                registration = self._register_rpc(session, regions, timeout)
+                registration = self._register_rpc(session, regions, fds, timeout)
             self._memory = memory
             self._registration = registration
             return registration
@@ -171,10 +178,19 @@ class SessionKeeper:
 
     # ---- calls ----
 
-    def rpc(self, method: str, request: Any, timeout: float, *, wait_for_ready: bool = False) -> Any:
+    def rpc(
+        self,
+        method: str,
+        request: Any,
+        timeout: float,
+        *,
+        wait_for_ready: bool = False,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> Any:
         """One call, its failure mapped into the client's exceptions."""
         try:
-            return getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
+            extra = {"metadata": tuple(metadata)} if metadata else {}
+            return getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready, **extra)
         except grpc.RpcError as error:
             raise self.map_error(error, method) from None
         except ValueError:
@@ -223,12 +239,19 @@ class SessionKeeper:
     def _open_locked(self, *, wait_for_ready: bool, timeout: float) -> LiveSession:
         # Called with self._lock held. The session is published only once its memory is registered again, so no
         # call can reach the daemon with a session that would answer FAILED_PRECONDITION.
-        response = self.rpc("OpenSession", self.spec.to_proto(), timeout, wait_for_ready=wait_for_ready)
-        session = LiveSession(response.session_id, SessionInfo.from_proto(response))
+        response = self.rpc(
+            "OpenSession",
+            self.spec.to_proto(),
+            timeout,
+            wait_for_ready=wait_for_ready,
+            metadata=self.credentials(timeout, "OpenSession"),
+        )
+        session = LiveSession(response.session_id, SessionInfo.from_proto(response), response.side_secret)
         if self._memory is not None:
             try:
-                regions = describe_regions(self._memory)
-                self._registration = self._register_rpc(session, regions, self.deadlines.register)
+                fds: list[int] = []  # sealed memfds to pass first; refused later if there is no side socket
+                regions = describe_regions(self._memory, fds)
+                self._registration = self._register_rpc(session, regions, fds, self.deadlines.register)
             except BaseException:
                 self._close_quietly(session)
                 raise
@@ -244,7 +267,28 @@ class SessionKeeper:
         )
         return session
 
-    def _register_rpc(self, session: LiveSession, regions: Sequence[pb.MemoryRegion], timeout: float) -> Registration:
+    def credentials(self, timeout: float, method: str) -> list[tuple[str, str]]:
+        """Metadata proving this process's uid to the daemon (a side-socket ticket); empty without a side socket."""
+        if self.side is None:
+            return []
+        try:
+            return self.side.metadata(timeout)
+        except DaemonUnavailable:
+            # A daemon still starting has no side socket yet; the gRPC call then says what is wrong.
+            return []
+
+    def _register_rpc(
+        self, session: LiveSession, regions: Sequence[pb.MemoryRegion], fds: Sequence[int], timeout: float
+    ) -> Registration:
+        if fds:
+            if self.side is None or not session.side_secret:
+                raise InvalidRequest(
+                    "sealed memfd tensors (shared_tensor's default) reach the daemon over its Unix socket's side "
+                    "socket only; this client has none (a TCP daemon, an older daemon, or a channel of your own): "
+                    "allocate with shared_tensor(shape, dtype, named=True) for trusted ranks",
+                    method="RegisterMemory",
+                )
+            self.side.send_fds(session.id, session.side_secret, fds, timeout)
         request = pb.RegisterMemoryRequest(session_id=session.id, regions=regions)
         return Registration.from_proto(self.rpc("RegisterMemory", request, timeout))
 

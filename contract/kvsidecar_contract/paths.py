@@ -6,7 +6,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["default_socket_path", "default_target"]
+__all__ = ["TICKET_METADATA", "default_socket_path", "default_target", "side_socket_path"]
+
+# gRPC metadata key of a side-socket ticket: it stands for the Unix credentials of the process that got it.
+TICKET_METADATA = "kvsidecar-ticket"
 
 
 def default_socket_path(env: Mapping[str, str] | None = None) -> str:
@@ -20,3 +23,8 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> str:
 def default_target(env: Mapping[str, str] | None = None) -> str:
     """The default socket as a gRPC target (unix:///...)."""
     return f"unix://{default_socket_path(env)}"
+
+
+def side_socket_path(socket_path: str) -> str:
+    """The daemon's side socket (peer credentials, memfd passing) next to its gRPC socket."""
+    return socket_path + ".side"

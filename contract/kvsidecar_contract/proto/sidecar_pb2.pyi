@@ -104,26 +104,36 @@ class GroupPlacement(_message.Message):
     def __init__(self, replication_factor: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys_per_boundary: _Optional[int] = ..., span_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "lease_ms", "hit_alignment_tokens", "fine_grained_hits", "groups", "daemon_version")
+    __slots__ = ("session_id", "lease_ms", "hit_alignment_tokens", "fine_grained_hits", "groups", "daemon_version", "side_secret", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     HIT_ALIGNMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINE_GRAINED_HITS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIDE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_ms: int
     hit_alignment_tokens: int
     fine_grained_hits: bool
     groups: _containers.RepeatedCompositeFieldContainer[GroupPlacement]
     daemon_version: str
-    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupPlacement, _Mapping]]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    side_secret: bytes
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupPlacement, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., side_secret: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class MemfdHandle(_message.Message):
+    __slots__ = ("index",)
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    def __init__(self, index: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -146,9 +156,10 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
-    __slots__ = ("shm", "cuda", "mapping_bytes", "offset", "block_stride", "block_bytes", "num_blocks", "groups")
+    __slots__ = ("shm", "cuda", "memfd", "mapping_bytes", "offset", "block_stride", "block_bytes", "num_blocks", "groups")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    MEMFD_FIELD_NUMBER: _ClassVar[int]
     MAPPING_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
@@ -157,13 +168,14 @@ class MemoryRegion(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     shm: SharedMemoryHandle
     cuda: CudaIpcHandle
+    memfd: MemfdHandle
     mapping_bytes: int
     offset: int
     block_stride: int
     block_bytes: int
     num_blocks: int
     groups: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., mapping_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., memfd: _Optional[_Union[MemfdHandle, _Mapping]] = ..., mapping_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterMemoryRequest(_message.Message):
     __slots__ = ("session_id", "regions")
@@ -320,7 +332,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id_prefix", "role", "model", "cache_prefix", "parallel", "mapped_bytes", "age_seconds", "client_name")
+    __slots__ = ("session_id_prefix", "role", "model", "cache_prefix", "parallel", "mapped_bytes", "age_seconds", "client_name", "tenant")
     SESSION_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +341,7 @@ class SessionInfo(_message.Message):
     MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id_prefix: str
     role: Role
     model: str
@@ -337,10 +350,11 @@ class SessionInfo(_message.Message):
     mapped_bytes: int
     age_seconds: float
     client_name: str
-    def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters")
+    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "tenancy", "caller_tenant")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +369,8 @@ class StatsResponse(_message.Message):
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    TENANCY_FIELD_NUMBER: _ClassVar[int]
+    CALLER_TENANT_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     uptime_seconds: float
     store_healthy: bool
@@ -362,4 +378,6 @@ class StatsResponse(_message.Message):
     master_address: str
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    tenancy: str
+    caller_tenant: str
+    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., tenancy: _Optional[str] = ..., caller_tenant: _Optional[str] = ...) -> None: ...

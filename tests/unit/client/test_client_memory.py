@@ -34,7 +34,7 @@ def read_segment(name, size):
 
 
 def test_shared_tensor_is_zeroed_named_private_and_visible_by_path():
-    kv = shared_tensor((4, 16, 576), torch.bfloat16)
+    kv = shared_tensor((4, 16, 576), torch.bfloat16, named=True)
     segment = segment_of(kv)
     assert kv.shape == (4, 16, 576) and kv.dtype == torch.bfloat16 and kv.device.type == "cpu"
     assert kv.is_contiguous()
@@ -53,7 +53,7 @@ def test_shared_tensor_is_zeroed_named_private_and_visible_by_path():
 
 
 def test_writes_through_the_path_show_in_the_tensor():
-    kv = shared_tensor(8, torch.int32)
+    kv = shared_tensor(8, torch.int32, named=True)
     segment = segment_of(kv)
     fd = os.open(os.path.join(SHM_DIR, segment.name), os.O_RDWR)
     try:
@@ -65,12 +65,12 @@ def test_writes_through_the_path_show_in_the_tensor():
 
 
 def test_names_are_unique():
-    a, b = shared_tensor(4, torch.uint8), shared_tensor(4, torch.uint8)
+    a, b = shared_tensor(4, torch.uint8, named=True), shared_tensor(4, torch.uint8, named=True)
     assert segment_of(a).name != segment_of(b).name
 
 
 def test_segment_lives_as_long_as_any_view_and_is_unlinked_after():
-    kv = shared_tensor((2, 3, 4), torch.float16)
+    kv = shared_tensor((2, 3, 4), torch.float16, named=True)
     name = segment_of(kv).name
     path = os.path.join(SHM_DIR, name)
     view = kv[1]
@@ -91,7 +91,7 @@ def test_exit_unlinks_and_a_forked_child_does_not(tmp_path):
         import os, sys, torch
         from kvsidecar_client import shared_tensor
         from kvsidecar_client.memory import segment_of
-        kv = shared_tensor((2, 8), torch.float32)
+        kv = shared_tensor((2, 8), torch.float32, named=True)
         name = segment_of(kv).name
         pid = os.fork()
         if pid == 0:
@@ -110,7 +110,7 @@ def test_exit_unlinks_and_a_forked_child_does_not(tmp_path):
 @pytest.mark.parametrize("shape", [(), (0, 4), (2, -1)])
 def test_shared_tensor_refuses_empty_shapes(shape):
     with pytest.raises(InvalidRequest, match="positive sizes"):
-        shared_tensor(shape, torch.float32)
+        shared_tensor(shape, torch.float32, named=True)
 
 
 def region(**fields):
@@ -118,7 +118,7 @@ def region(**fields):
 
 
 def test_region_of_a_whole_tensor():
-    kv = shared_tensor((10, 16, 576), torch.bfloat16)
+    kv = shared_tensor((10, 16, 576), torch.bfloat16, named=True)
     name = segment_of(kv).name
     assert describe_region(kv, [0, 3]) == region(
         shm=pb.SharedMemoryHandle(name=name),
@@ -133,7 +133,7 @@ def test_region_of_a_whole_tensor():
 
 def test_vllm_key_and_value_views_are_two_regions_of_one_segment():
     # vLLM's FlashAttention layout: (2, num_blocks, block_size, heads, head_dim); K is [0], V is [1].
-    kv = shared_tensor((2, 7, 16, 4, 64), torch.float16)
+    kv = shared_tensor((2, 7, 16, 4, 64), torch.float16, named=True)
     name = segment_of(kv).name
     block = 16 * 4 * 64 * 2
     for index in (0, 1):
@@ -150,7 +150,7 @@ def test_vllm_key_and_value_views_are_two_regions_of_one_segment():
 
 def test_blocks_first_layout_with_key_and_value_inside_each_block():
     # (num_blocks, 2, block_size, heads, head_dim): one region, both halves in each block's slice.
-    kv = shared_tensor((5, 2, 16, 2, 32), torch.bfloat16)
+    kv = shared_tensor((5, 2, 16, 2, 32), torch.bfloat16, named=True)
     assert region_geometry(kv) == (0, 2 * 16 * 2 * 32 * 2, 2 * 16 * 2 * 32 * 2, 5)
     # Only the keys: a strided view whose blocks are 2 KiB apart but 1 KiB long.
     keys = kv[:, 0]
@@ -160,29 +160,29 @@ def test_blocks_first_layout_with_key_and_value_inside_each_block():
 
 
 def test_a_slice_of_blocks_starts_at_its_first_block():
-    kv = shared_tensor((10, 8), torch.float32)
+    kv = shared_tensor((10, 8), torch.float32, named=True)
     assert region_geometry(kv[3:6]) == (3 * 32, 32, 32, 3)
     assert region_geometry(kv[::2]) == (0, 64, 32, 5)
 
 
 def test_a_one_dimensional_tensor_has_one_element_per_block():
-    state = shared_tensor(6, torch.float64)
+    state = shared_tensor(6, torch.float64, named=True)
     assert region_geometry(state) == (0, 8, 8, 6)
 
 
 def test_a_single_block_view_has_a_usable_stride():
-    kv = shared_tensor((4, 8), torch.float32)
+    kv = shared_tensor((4, 8), torch.float32, named=True)
     assert region_geometry(kv[2:3]) == (64, 32, 32, 1)
 
 
 def test_a_permuted_block_is_refused_with_the_reason():
-    kv = shared_tensor((4, 16, 2, 8), torch.float16)
+    kv = shared_tensor((4, 16, 2, 8), torch.float16, named=True)
     with pytest.raises(InvalidRequest, match="not contiguous"):
         describe_region(kv.transpose(1, 2), [0])
 
 
 def test_overlapping_blocks_are_refused():
-    kv = shared_tensor((1, 8), torch.float32)
+    kv = shared_tensor((1, 8), torch.float32, named=True)
     with pytest.raises(InvalidRequest, match="blocks overlap"):
         region_geometry(kv.expand(4, 8))
 
@@ -190,21 +190,21 @@ def test_overlapping_blocks_are_refused():
 def test_a_cpu_tensor_outside_shared_memory_is_refused():
     with pytest.raises(InvalidRequest, match="shared_tensor"):
         describe_region(torch.zeros(4, 8), [0])
-    kv = shared_tensor((4, 8), torch.float32)
+    kv = shared_tensor((4, 8), torch.float32, named=True)
     with pytest.raises(InvalidRequest, match="shared_tensor"):
         describe_region(kv.clone(), [0])
 
 
 @pytest.mark.parametrize("groups", [[], [-1], ["0"]])
 def test_regions_need_groups(groups):
-    kv = shared_tensor((4, 8), torch.float32)
+    kv = shared_tensor((4, 8), torch.float32, named=True)
     with pytest.raises(InvalidRequest, match="group indices"):
         describe_region(kv, groups)
 
 
 def test_a_scalar_is_refused():
     with pytest.raises(InvalidRequest, match="at least one dimension"):
-        region_geometry(shared_tensor(1, torch.float32)[0])
+        region_geometry(shared_tensor(1, torch.float32, named=True)[0])
 
 
 def test_other_devices_are_refused():
@@ -245,7 +245,7 @@ def test_cuda_ipc_handle_refuses_bad_tuples():
 
 
 def test_describe_regions_keeps_registration_order():
-    kv = shared_tensor((2, 6, 16, 8), torch.float16)
-    state = shared_tensor((6, 32), torch.float32)
+    kv = shared_tensor((2, 6, 16, 8), torch.float16, named=True)
+    state = shared_tensor((6, 32), torch.float32, named=True)
     memory = [(kv[0], (0,)), (kv[1], (0,)), (state, (1,))]
     assert describe_regions(memory) == [describe_region(t, g) for t, g in memory]

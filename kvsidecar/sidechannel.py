@@ -1,0 +1,219 @@
+"""The side socket next to the gRPC one: who a Unix peer is (SO_PEERCRED), and sealed memfds passed with SCM_RIGHTS.
+
+gRPC Python hides the connection's file descriptor, so neither the peer's credentials nor passed descriptors reach a
+servicer. This socket (SOCK_SEQPACKET, one request per connection, same mode and group as the gRPC socket) does both:
+
+- `{"op": "ticket"}` answers a single-use ticket bound to the kernel-reported uid and groups of the connecting
+  process; the client sends it as `kvsidecar-ticket` metadata on its next gRPC call (OpenSession, Stats), where it
+  stands for those credentials. Tickets expire after TICKET_TTL_S and are redeemed once.
+- `{"op": "fds", "session": ID, "secret": S}` with up to MAX_REGIONS descriptors attached hands a session its memfds.
+  Accepted only from a peer with the uid that opened the session (its ticket), and with the session's side secret
+  from OpenSessionResponse, which travels nowhere else.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvsidecar.errors import BadRequest, RequestError
+from kvsidecar.statuses import status_of
+from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.paths import TICKET_METADATA
+
+__all__ = ["TICKET_METADATA", "PeerCred", "SideChannel", "Tickets", "peer_cred"]
+
+log = logging.getLogger(__name__)
+
+TICKET_TTL_S = 30.0
+MAX_TICKETS = 4096  # outstanding at once; a peer minting tickets in a loop cannot grow the daemon's memory
+MAX_REQUEST_BYTES = 4096
+MAX_HANDLERS = 16
+IO_TIMEOUT_S = 2.0
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python has no constant for it
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """What the kernel says about the process at the other end of a Unix socket."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int]
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    """The connected peer's pid, uid, gid (SO_PEERCRED) and supplementary groups (SO_PEERGROUPS)."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    groups = {gid}
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 1024)
+        groups.update(array.array("I", raw[: len(raw) - len(raw) % 4]))
+    except OSError:
+        pass  # an older kernel: the primary group only
+    return PeerCred(pid, uid, gid, frozenset(groups))
+
+
+class Tickets:
+    """Single-use, short-lived tickets standing for the Unix credentials of the peer they were issued to."""
+
+    def __init__(self, ttl: float = TICKET_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl = ttl
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: dict[str, tuple[PeerCred, float]] = {}
+
+    def issue(self, peer: PeerCred) -> str:
+        """A new ticket for the peer."""
+        now = self._clock()
+        with self._lock:
+            if len(self._live) >= MAX_TICKETS:
+                self._live = {t: v for t, v in self._live.items() if v[1] > now}
+            if len(self._live) >= MAX_TICKETS:
+                raise BadRequest(f"{MAX_TICKETS} tickets are outstanding: redeem them before asking for more")
+            ticket = secrets.token_urlsafe(24)
+            self._live[ticket] = (peer, now + self._ttl)
+        return ticket
+
+    def redeem(self, ticket: str) -> PeerCred | None:
+        """The credentials a ticket stands for, once; None for an unknown, used or expired ticket."""
+        with self._lock:
+            entry = self._live.pop(ticket, None)
+        if entry is None or entry[1] < self._clock():
+            return None
+        return entry[0]
+
+
+FdsHandler = Callable[[str, str, PeerCred, Sequence[int]], int]
+
+
+class SideChannel:
+    """The side socket's listener: a thread accepting connections, one short-lived handler thread each."""
+
+    def __init__(self, path: str, tickets: Tickets, on_fds: FdsHandler) -> None:
+        self.path = path
+        self.tickets = tickets
+        self._on_fds = on_fds
+        self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_HANDLERS)
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def bind(self, mode: int, gid: int | None) -> None:
+        """Create the socket file (private until its mode is set) and listen."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, mode)
+        if gid is not None:
+            os.chown(self.path, -1, gid)
+        sock.listen(64)
+        sock.settimeout(0.2)  # the accept loop checks for stop this often
+        self._sock = sock
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self._accept_loop, name="kvsidecar-side", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop accepting and remove the socket file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._sock is not None:
+            self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("side socket accept failed: %s", exc)
+                time.sleep(0.1)
+                continue
+            if not self._slots.acquire(blocking=False):
+                # Busy with MAX_HANDLERS slow peers: refuse rather than queue behind them.
+                with contextlib.suppress(OSError):
+                    conn.send(_answer(False, "the side socket is busy; try again", code="UNAVAILABLE"))
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kvsidecar-side-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            with conn:
+                conn.settimeout(IO_TIMEOUT_S)
+                peer = peer_cred(conn)
+                msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, MAX_REGIONS)
+                try:
+                    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                        raise BadRequest(f"request too large: at most {MAX_REQUEST_BYTES} bytes and {MAX_REGIONS} fds")
+                    reply = self._handle(msg, fds, peer)
+                    fds = []  # handed over: the session owns them now
+                except RequestError as exc:
+                    code, reason = status_of(exc)
+                    reply = _answer(False, reason, code=code.name)
+                conn.send(reply)
+        except OSError as exc:
+            log.debug("side socket peer gone: %s", exc)
+        except Exception:
+            log.exception("side socket request failed")
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._slots.release()
+
+    def _handle(self, msg: bytes, fds: list[int], peer: PeerCred) -> bytes:
+        try:
+            request = json.loads(msg)
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("a side-socket request is one JSON object") from None
+        if not isinstance(request, dict):
+            raise BadRequest("a side-socket request is one JSON object")
+        op = request.get("op")
+        if op == "ticket":
+            if fds:
+                raise BadRequest("a ticket request carries no file descriptors")
+            return _answer(True, ticket=self.tickets.issue(peer), ttl_s=TICKET_TTL_S)
+        if op == "fds":
+            session, secret = request.get("session"), request.get("secret")
+            if not isinstance(session, str) or not isinstance(secret, str):
+                raise BadRequest("an fds request names its session and secret")
+            if not fds:
+                raise BadRequest("an fds request carries one or more file descriptors (SCM_RIGHTS)")
+            count = self._on_fds(session, secret, peer, fds)
+            return _answer(True, count=count)
+        raise BadRequest(f"unknown side-socket op {str(op)[:40]!r}: ticket or fds")
+
+
+def _answer(ok: bool, error: str = "", **fields: object) -> bytes:
+    body: dict[str, object] = {"ok": ok, **fields}
+    if error:
+        body["error"] = error[:1024]
+    return json.dumps(body).encode()
