@@ -1,0 +1,195 @@
+"""An engine rank of one tenant in its own process, running as a given uid: `python tenant_engine.py JSON`.
+
+It imports everything as the starting user (root in CI), then drops to the tenant's uid and gid before it talks to
+the daemon, so the daemon sees that uid through SO_PEERCRED. It prints one JSON line: what each step answered.
+
+Steps (the JSON's "steps", run in order), each answering {"ok": ...} or {"error": class, "reason": ...}:
+  open PREFIX         open a rank session under PREFIX (closing any open one), register a sealed memfd tensor
+  open_named PREFIX   the same with a named /dev/shm tensor (the daemon takes those from trusted tenants only)
+  save SEED N         save N blocks of prompt SEED (hashes and bytes derived from SEED); answers written/failed
+  flood SEED N        save N blocks under prompt SEED's hashes without writing their bytes first (cheap volume)
+  hits SEED N         look up prompt SEED: hit tokens out of N blocks
+  load SEED N         look up and load prompt SEED into fresh blocks; answers loaded and whether the bytes match
+  reset               Reset the open session's namespace
+  stats               Stats as this uid: the tenants and prefixes of the sessions it sees
+  hostile SECONDS     truncate, punch holes in and remap its own memfd in a loop while saving and loading
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, SidecarError, shared_tensor
+from kvsidecar_client.memory import segment_of
+
+BLOCK_TOKENS = 16
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def prompt(seed: str, n: int) -> list[bytes]:
+    """N chained block hashes of a prompt named seed."""
+    return [hashlib.sha256(f"{seed}/{i}".encode()).digest() for i in range(n)]
+
+
+def block_bytes(seed: str, i: int, numel: int) -> torch.Tensor:
+    """The deterministic content of block i of prompt seed."""
+    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(f"{seed}#{i}".encode()).digest()[:6], "little"))
+    return torch.rand(numel, generator=g)
+
+
+class Engine:
+    """One rank: a client, its KV tensor, and the steps."""
+
+    def __init__(self, target: str, model: str, num_blocks: int, block_floats: int) -> None:
+        self.target, self.model = target, model
+        self.kv = shared_tensor((num_blocks, block_floats), torch.float32)
+        self.client: SidecarClient | None = None
+
+    def open(self, prefix: str, named: bool = False) -> dict[str, Any]:
+        if named:
+            self.kv = shared_tensor(tuple(self.kv.shape), torch.float32, named=True)
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        client = SidecarClient.connect(
+            self.target, model=self.model, layout=EngineLayout(), num_kv_heads=1, hash_block_size=BLOCK_TOKENS,
+            groups=[GroupSpec("full_attention", BLOCK_TOKENS)], cache_prefix=prefix,
+        )  # fmt: skip
+        self.client = client
+        client.register([self.kv], [(0,)])
+        return {"ok": True, "tenant": client.session_info.tenant if client.session_info else ""}
+
+    def _need(self) -> SidecarClient:
+        assert self.client is not None, "open first"
+        return self.client
+
+    def save(self, seed: str, n: int, fill: bool = True) -> dict[str, Any]:
+        client = self._need()
+        n = min(n, self.kv.shape[0])
+        for i in range(n if fill else 0):
+            self.kv[i].copy_(block_bytes(seed, i, self.kv.shape[1]))
+        result = client.save(prompt(seed, n), [list(range(n))], n * BLOCK_TOKENS).result()
+        reasons = sorted({f.reason for f in result.failures})
+        return {"ok": True, "written": result.written, "failed": result.failed, "reasons": reasons}
+
+    def hits(self, seed: str, n: int) -> dict[str, Any]:
+        hit = self._need().lookup(prompt(seed, n), n * BLOCK_TOKENS + 1)
+        return {"ok": True, "hit_blocks": hit.hit_tokens // BLOCK_TOKENS}
+
+    def load(self, seed: str, n: int) -> dict[str, Any]:
+        client = self._need()
+        hashes = prompt(seed, n)
+        hit = client.lookup(hashes, n * BLOCK_TOKENS + 1)
+        k = hit.hit_tokens // BLOCK_TOKENS
+        blocks = self.kv.shape[0]
+        ids = [blocks - k + i for i in range(k)]  # the top blocks, away from where saves were staged
+        self.kv[blocks - k :].zero_()
+        failed = client.load(hashes, [ids], hit)
+        same = all(torch.equal(self.kv[b], block_bytes(seed, i, self.kv.shape[1])) for i, b in enumerate(ids))
+        return {"ok": True, "hit_blocks": k, "failed": len(failed), "bytes_match": same}
+
+    def reset(self) -> dict[str, Any]:
+        return {"ok": True, "removed": self._need().reset()}
+
+    def stats(self) -> dict[str, Any]:
+        s = self._need().stats()
+        return {
+            "ok": True,
+            "caller_tenant": s.caller_tenant,
+            "tenancy": s.tenancy,
+            "sessions": sorted({(x.tenant, x.cache_prefix) for x in s.sessions}),
+        }
+
+    def hostile(self, seconds: float) -> dict[str, Any]:
+        self._need()
+        segment = segment_of(self.kv)
+        assert segment is not None and segment.sealed
+        fd, size = segment.fd, segment.size
+        refused = {"truncate": 0, "grow": 0}
+        done = threading.Event()
+        punched = remapped = 0
+
+        def attack() -> None:
+            nonlocal punched, remapped
+            libc = ctypes.CDLL(None, use_errno=True)
+            while not done.is_set():
+                for what, length in (("truncate", 0), ("grow", size * 2)):
+                    try:
+                        os.ftruncate(fd, length)
+                    except PermissionError:
+                        refused[what] += 1
+                # Punching holes is allowed: the pages read back as zeros, never as a fault.
+                if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+                    punched += 1
+                with contextlib.closing(mmap.mmap(fd, size)) as m:  # map and unmap its own memory
+                    m[0:1] = b"\x00"
+                    remapped += 1
+
+        thread = threading.Thread(target=attack, daemon=True)
+        thread.start()
+        errors: dict[str, int] = {}
+        calls = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            seed = f"hostile-{calls}"
+            try:
+                self.save(seed, 4)
+                self.load(seed, 4)
+            except SidecarError as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            calls += 1
+        done.set()
+        thread.join(10)
+        return {"ok": True, "calls": calls, "refused": refused, "punched": punched, "remapped": remapped,
+                "errors": errors}  # fmt: skip
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def drop_privileges(uid: int, gid: int) -> None:
+    """Become uid:gid with no supplementary groups (irreversibly)."""
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    engine = Engine(spec["target"], spec.get("model", "org/model"), spec.get("blocks", 32), spec.get("floats", 1024))
+    if "uid" in spec:
+        drop_privileges(spec["uid"], spec["gid"])
+    answers = []
+    for step in spec["steps"]:
+        op, *args = step
+        try:
+            if op in ("open", "open_named"):
+                answers.append(engine.open(args[0], named=op == "open_named"))
+            elif op == "flood":
+                answers.append(engine.save(args[0], int(args[1]), fill=False))
+            elif op in ("save", "hits", "load"):
+                answers.append(getattr(engine, op)(args[0], int(args[1])))
+            elif op == "hostile":
+                answers.append(engine.hostile(float(args[0])))
+            else:
+                answers.append(getattr(engine, op)())
+        except SidecarError as exc:
+            answers.append({"error": type(exc).__name__, "code": exc.code.name if exc.code else "", "reason": str(exc)})
+    engine.close()
+    print(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    main()
