@@ -19,7 +19,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.sidechannel import PeerCred
 from kvsidecar.tenants import SINGLE_TENANT, Caller
 from kvsidecar.values import RegionRequest, Role, SessionSummary
-from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.limits import MAX_MEMFDS
 from kvsidecar_contract.placement import Geometry, Layout
 
 __all__ = ["Role", "Session", "SessionRegistry"]
@@ -189,8 +189,8 @@ class SessionRegistry:
                 raise UnknownSession("the session was closed")
             if session.memory is not None:
                 raise OutOfOrder("memory is already registered for this session: memfds come before RegisterMemory")
-            if len(session.pending_fds) + len(fds) > MAX_REGIONS:
-                raise BadRequest(f"at most {MAX_REGIONS} memfds per session")
+            if len(session.pending_fds) + len(fds) > MAX_MEMFDS:
+                raise BadRequest(f"at most {MAX_MEMFDS} memfds per session")
             session.pending_fds.extend(fds)
             return len(session.pending_fds)
 

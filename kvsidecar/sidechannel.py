@@ -6,7 +6,7 @@ servicer. This socket (SOCK_SEQPACKET, one request per connection, same mode and
 - `{"op": "ticket"}` answers a single-use ticket bound to the kernel-reported uid and groups of the connecting
   process; the client sends it as `kvsidecar-ticket` metadata on its next gRPC call (OpenSession, Stats), where it
   stands for those credentials. Tickets expire after TICKET_TTL_S and are redeemed once.
-- `{"op": "fds", "session": ID, "secret": S}` with up to MAX_REGIONS descriptors attached hands a session its memfds.
+- `{"op": "fds", "session": ID, "secret": S}` with up to MAX_MEMFDS descriptors attached hands a session its memfds.
   Accepted only from a peer with the uid that opened the session (its ticket), and with the session's side secret
   from OpenSessionResponse, which travels nowhere else.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvsidecar.errors import BadRequest, RequestError
 from kvsidecar.statuses import status_of
-from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.limits import MAX_MEMFDS
 from kvsidecar_contract.paths import TICKET_METADATA
 
 __all__ = ["TICKET_METADATA", "PeerCred", "SideChannel", "Tickets", "peer_cred"]
@@ -169,10 +169,10 @@ class SideChannel:
             with conn:
                 conn.settimeout(IO_TIMEOUT_S)
                 peer = peer_cred(conn)
-                msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, MAX_REGIONS)
+                msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, MAX_MEMFDS)
                 try:
                     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-                        raise BadRequest(f"request too large: at most {MAX_REQUEST_BYTES} bytes and {MAX_REGIONS} fds")
+                        raise BadRequest(f"request too large: at most {MAX_REQUEST_BYTES} bytes and {MAX_MEMFDS} fds")
                     reply = self._handle(msg, fds, peer)
                     fds = []  # handed over: the session owns them now
                 except RequestError as exc:

@@ -37,6 +37,7 @@ from kvsidecar_client.errors import (
 from kvsidecar_client.layout import SessionSpec
 from kvsidecar_client.memory import describe_regions
 from kvsidecar_client.results import Registration, SessionInfo
+from kvsidecar_contract.limits import MAX_MEMFDS
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto.sidecar_pb2_grpc import SidecarStub
 
@@ -280,6 +281,11 @@ class SessionKeeper:
     def _register_rpc(
         self, session: LiveSession, regions: Sequence[pb.MemoryRegion], fds: Sequence[int], timeout: float
     ) -> Registration:
+        if len(fds) > MAX_MEMFDS:
+            raise InvalidRequest(
+                f"{len(fds)} memfd tensors: at most {MAX_MEMFDS} per session (views of one tensor share one)",
+                method="RegisterMemory",
+            )
         if fds:
             if self.side is None or not session.side_secret:
                 raise InvalidRequest(

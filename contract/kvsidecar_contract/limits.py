@@ -7,6 +7,7 @@ __all__ = [
     "MAX_GROUPS",
     "MAX_HASHES",
     "MAX_HASH_BYTES",
+    "MAX_MEMFDS",
     "MAX_MODEL_CHARS",
     "MAX_NAME_CHARS",
     "MAX_REGIONS",
@@ -16,6 +17,7 @@ __all__ = [
 NO_BLOCK = 0xFFFF_FFFF  # a block id meaning "no block for this span" (vLLM's null block): saves skip it, loads fail it
 MAX_GROUPS = 64  # KV-cache groups per session
 MAX_REGIONS = 4096  # memory regions per session
+MAX_MEMFDS = 253  # memfds per session, in one SCM_RIGHTS message (Linux SCM_MAX_FD); regions may share one
 MAX_HASHES = 1 << 20  # block hashes per request
 MAX_BLOCK_IDS = 1 << 20  # block ids per request, all groups together
 MAX_HASH_BYTES = 64  # bytes of one block hash

@@ -1,0 +1,61 @@
+"""Sealed memfds a rank passed over the side socket, mapped into the daemon."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+import stat
+
+from kvsidecar.errors import BadRequest
+
+__all__ = ["MemfdMapping"]
+
+
+class MemfdMapping:
+    """A memfd passed over the side socket, sealed against shrinking: its pages cannot vanish under a transfer.
+
+    That is what makes CPU memory safe to map from a rank the daemon does not trust: a /dev/shm segment can be
+    truncated while a transfer runs (SIGBUS in the daemon), a memfd with F_SEAL_SHRINK cannot, by anyone.
+    """
+
+    def __init__(self, fd: int, index: int, size: int) -> None:
+        self.name = f"memfd #{index}"
+        try:
+            st = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise BadRequest(f"{self.name} is not a sealable memfd: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise BadRequest(f"{self.name} is not a memfd")
+        if not seals & fcntl.F_SEAL_SHRINK:
+            # Sealing it here is as good as the engine doing it: seals are never removed, by anyone.
+            try:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            except OSError as exc:
+                raise BadRequest(
+                    f"{self.name} is not sealed against shrinking (F_SEAL_SHRINK) and cannot be: {exc.strerror}"
+                ) from None
+        size_now = os.fstat(fd).st_size
+        if size > size_now:
+            raise BadRequest(f"{self.name} has {size_now} bytes, region claims {size}")
+        try:
+            # Backing every page now keeps a later fault on a full memory cgroup out of the transfer.
+            os.posix_fallocate(fd, 0, size)
+            # mmap keeps its own duplicate of the descriptor; the session closes the one it was handed.
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise BadRequest(f"cannot map {self.name} read-write ({size} bytes): {exc.strerror}") from None
+        self._view = (ctypes.c_char * size).from_buffer(self._mm)
+        self.address = ctypes.addressof(self._view)
+        self.size = size
+        self.identity: tuple[object, ...] = ("memfd", st.st_dev, st.st_ino)
+
+    def check(self) -> None:
+        """A memfd sealed against shrinking stays whole for as long as it is mapped."""
+
+    def close(self) -> None:
+        """Unmap it; the engine's own mapping is untouched."""
+        del self._view
+        self._mm.close()
