@@ -133,6 +133,27 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=_status)
 
 
+def _hash_token(args: argparse.Namespace) -> int:
+    from kvsidecar.tenants import hash_token
+
+    token = sys.stdin.readline().strip()
+    if not token:
+        print("kvsidecar hash-token: error: no token on stdin", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
+
+
+def _add_hash_token(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "hash-token",
+        help="print the tenants-file form of a bearer token read from stdin",
+        description="Read a bearer token from stdin (one line) and print `sha256:<hex>`, the form a tenants file "
+        "stores it in: the daemon keeps only hashes and compares them in constant time.",
+    )
+    p.set_defaults(func=_hash_token)
+
+
 def _add_tool(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_: str, text: str) -> None:
     """A subcommand whose module `kvsidecar.<name>` has add_arguments(parser) and run(args) -> int."""
     module = importlib.import_module(f"kvsidecar.{name}")
@@ -149,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_status(sub)
     _add_layout(sub)
+    _add_hash_token(sub)
     _add_tool(
         sub,
         "demo",

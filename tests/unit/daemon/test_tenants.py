@@ -122,3 +122,14 @@ def test_tickets_are_single_use_and_expire():
     clock.now += 31
     assert tickets.redeem(late) is None
     assert tickets.redeem("forged") is None
+
+
+def test_hash_token_prints_what_the_file_stores(monkeypatch, capsys):
+    import io
+
+    from kvsidecar.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(TOKEN_A + "\n"))
+    assert main(["hash-token"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == hash_token(TOKEN_A) and printed in FILE
