@@ -31,8 +31,19 @@ def query(target: str, timeout: float, auth: TcpAuth | None = None) -> dict[str,
         except SidecarError:
             metadata = ()  # an older daemon without a side socket, or one still starting
         stub = sidecar_pb2_grpc.SidecarStub(channel)
-        stats = stub.Stats(sidecar_pb2.StatsRequest(), timeout=timeout, metadata=metadata or None)
-    serving = health_pb2.HealthCheckResponse.SERVING
+        serving = health_pb2.HealthCheckResponse.SERVING
+        try:
+            stats = stub.Stats(sidecar_pb2.StatsRequest(), timeout=timeout, metadata=metadata or None)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            # A caller that is no tenant's (a probe under another uid) still learns the daemon's health.
+            stats = sidecar_pb2.StatsResponse(
+                daemon_version="?",
+                store_healthy=sidecar.status == serving,
+                store_detail="from the health service",
+                tenancy=f"multi-tenant (Stats refused: {exc.details()})",
+            )
     return {
         "address": target,
         "serving": daemon.status == serving,

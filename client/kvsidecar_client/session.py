@@ -29,6 +29,7 @@ from kvsidecar_client.errors import (
     DaemonUnavailable,
     DeadlineExceeded,
     InvalidRequest,
+    PermissionDenied,
     PreconditionFailed,
     SessionLost,
     SidecarError,
@@ -240,13 +241,7 @@ class SessionKeeper:
     def _open_locked(self, *, wait_for_ready: bool, timeout: float) -> LiveSession:
         # Called with self._lock held. The session is published only once its memory is registered again, so no
         # call can reach the daemon with a session that would answer FAILED_PRECONDITION.
-        response = self.rpc(
-            "OpenSession",
-            self.spec.to_proto(),
-            timeout,
-            wait_for_ready=wait_for_ready,
-            metadata=self.credentials(timeout, "OpenSession"),
-        )
+        response = self._open_rpc(timeout, wait_for_ready)
         session = LiveSession(response.session_id, SessionInfo.from_proto(response), response.side_secret)
         if self._memory is not None:
             try:
@@ -267,6 +262,30 @@ class SessionKeeper:
             ", memory registered" if self._memory is not None else "",
         )
         return session
+
+    def _open_rpc(self, timeout: float, wait_for_ready: bool) -> pb.OpenSessionResponse:
+        """OpenSession as who this process is; once more if the daemon's side socket appeared only during the call."""
+        deadline = time.monotonic() + timeout
+        metadata = self.credentials(timeout, "OpenSession")
+        request = self.spec.to_proto()
+        response: pb.OpenSessionResponse | None
+        try:
+            response = self.rpc("OpenSession", request, timeout, wait_for_ready=wait_for_ready, metadata=metadata)
+        except PermissionDenied:
+            if metadata or self.side is None or not self.side.available():
+                raise
+            response = None  # refused as nobody: the daemon came up after we asked for a ticket
+        # A daemon that came up between the ticket request and the call opened the session without our uid.
+        late = self.side is not None and not metadata and self.side.available()
+        if response is not None and not (late and not response.side_secret):
+            return response
+        if response is not None:
+            self._close_quietly(LiveSession(response.session_id, SessionInfo.from_proto(response)))
+        left = remaining(deadline, "OpenSession")
+        again: pb.OpenSessionResponse = self.rpc(
+            "OpenSession", request, left, metadata=self.credentials(left, "OpenSession")
+        )
+        return again
 
     def credentials(self, timeout: float, method: str) -> list[tuple[str, str]]:
         """Metadata proving this process's uid to the daemon (a side-socket ticket); empty without a side socket."""

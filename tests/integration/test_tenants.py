@@ -223,3 +223,23 @@ def test_a_hostile_rank_cannot_crash_the_daemon_through_its_memory(users, sockdi
         assert d.proc.poll() is None and d.serving()
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_an_engine_started_before_the_daemon_opens_as_its_uid(users, sockdir, mooncake_master):
+    a, b = users
+    tenants = tenants_file(sockdir / "tenants.toml", a, b)
+    d = DaemonProcess(sockdir, master=mooncake_master.address,
+                      extra=("--tenants", str(tenants), "--socket-mode", "0666"))  # fmt: skip
+    body = {"target": d.target, "uid": a.pw_uid, "gid": a.pw_gid,
+            "steps": [["open", "team-a"], ["save", "early", 2], ["load", "early", 2]]}  # fmt: skip
+    early = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(body)], stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1)  # the engine is waiting for a daemon that is not there yet (no socket, no side socket)
+        d.start()
+        out, _ = early.communicate(timeout=120)
+        answers = json.loads(out.strip().splitlines()[-1])
+        assert answers[0] == {"ok": True, "tenant": "alpha"}, answers
+        assert answers[2]["hit_blocks"] == 2 and answers[2]["bytes_match"], answers
+    finally:
+        early.kill()
+        assert d.stop() == 0, d.log()
