@@ -226,7 +226,9 @@ class SoakRank:
     def segment_names(self) -> list[str]:
         from kvsidecar_client.memory import segment_of
 
-        return [segment_of(t).name for ts in self.tensors for t in ts]  # type: ignore[union-attr]
+        # Sealed memfds (shared_tensor's default) have no name to unlink: they go with the last descriptor.
+        segments = [segment_of(t) for ts in self.tensors for t in ts]
+        return [s.name for s in segments if s is not None and not s.sealed]
 
     def reopen(self) -> dict[str, Any]:
         self.client.close()
