@@ -13,8 +13,9 @@ import urllib.request
 import grpc
 import pytest
 
+from kvsidecar.testing.hashes import chained_hashes
+from kvsidecar.testing.processes import Daemon
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support.processes import DaemonProcess
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -23,13 +24,7 @@ BLOCK = 4096
 
 
 def hashes(n: int, salt: str = "") -> list[bytes]:
-    import hashlib
-
-    out, prev = [], b""
-    for i in range(n):
-        prev = hashlib.sha256(prev + f"{salt}:{i}".encode()).digest()
-        out.append(prev)
-    return out
+    return chained_hashes(salt, n)
 
 
 def pattern(tag: str, block: int = BLOCK) -> bytes:
@@ -41,7 +36,7 @@ def pattern(tag: str, block: int = BLOCK) -> bytes:
 
 @pytest.fixture
 def daemon(mooncake_master, tmp_path):
-    d = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    d = Daemon(tmp_path, master=mooncake_master.address).start()
     yield d
     assert d.stop() == 0, d.log()
 
@@ -317,7 +312,7 @@ def test_stale_socket_is_taken_over_and_a_live_one_is_not(mooncake_master, tmp_p
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
     stale.close()  # a crashed daemon leaves its socket file behind
-    d = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    d = Daemon(tmp_path, master=mooncake_master.address).start()
     try:
         assert oct(os.stat(path).st_mode & 0o777) == "0o660"
         second = subprocess.run(
