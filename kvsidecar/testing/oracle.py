@@ -137,12 +137,13 @@ def layout_of(req: pb.OpenSessionRequest) -> Layout:
 
 def views(req: pb.OpenSessionRequest) -> list[GroupView]:
     """Per group of an OpenSession request: its view (read from the request, not from the placement core)."""
+    from kvsidecar_contract.kinds import KIND_OF_PROTO
     from kvsidecar_contract.proto import sidecar_pb2 as pb
 
     dcp = req.parallel.dcp_size or 1
     out = []
     for g in req.groups:
-        members = [Kind(pb.GroupKind.Name(k).lower()) for k in (g.inner if g.kind == pb.UNIFORM else [g.kind])]
+        members = [KIND_OF_PROTO[k] for k in (g.inner if g.kind == pb.UNIFORM else [g.kind])]
         out.append(GroupView.of(members, g.block_size, g.window, dcp))
     return out
 

@@ -15,17 +15,11 @@ from multiprocessing import shared_memory
 
 import grpc
 
+from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 
-KIND = {
-    "full_attention": pb.FULL_ATTENTION,
-    "sliding_window": pb.SLIDING_WINDOW,
-    "mla": pb.MLA,
-    "sliding_window_mla": pb.SLIDING_WINDOW_MLA,
-    "mamba": pb.MAMBA,
-    "uniform": pb.UNIFORM,
-}
+KIND = {kind.value: value for kind, value in PROTO_OF_KIND.items()}
 
 
 class Segment:
