@@ -37,6 +37,16 @@ def alive(pid: int) -> bool:
     return True
 
 
+def wait_ready_line(proc: subprocess.Popen[bytes], log) -> None:
+    """Until the daemon logs its ready line; it must not exit meanwhile."""
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text()
+        return "ready:" in log.read_text()
+
+    wait_until(ready, timeout=60, what="the daemon's ready line", detail=log.read_text)
+
+
 def test_no_flags_starts_an_embedded_master_and_stops_it(tmp_path):
     """`kvsidecar serve` as the README runs it (only the paths moved into a temp dir, the port off the default)."""
     sock = tmp_path / "kvsidecar.sock"
@@ -53,10 +63,7 @@ def test_no_flags_starts_an_embedded_master_and_stops_it(tmp_path):
         )
     try:
         default_sock = tmp_path / "kvsidecar" / "kvsidecar.sock"
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
+        wait_ready_line(proc, log)
         ready = next(line for line in log.read_text().splitlines() if "ready:" in line)
         assert f"grpc unix://{default_sock}" in ready
         assert f"metrics http://127.0.0.1:{port}/metrics" in ready
@@ -163,19 +170,13 @@ def test_a_daemon_killed_outright_takes_its_embedded_master_along(tmp_path):
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
+        wait_ready_line(proc, log)
         masters = children(proc.pid)
         assert masters
     finally:
         proc.kill()
         proc.wait(10)
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in masters) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(pid) for pid in masters), "an orphaned mooncake_master survived its daemon"
+    wait_until(lambda: not any(alive(pid) for pid in masters), timeout=10, what="an orphaned mooncake_master gone")
 
 
 def test_the_embedded_master_is_restarted_when_it_dies(tmp_path):
@@ -190,26 +191,19 @@ def test_the_embedded_master_is_restarted_when_it_dies(tmp_path):
         )  # fmt: skip
     rank = None
     try:
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
+        wait_ready_line(proc, log)
         (first,) = children(proc.pid)
         rank = RawRank(f"unix://{sock}", open_request([group("mla", 16)], model="org/Supervised"), 4, 1024)
         rank.register()
-        os.kill(first, 9)
-        deadline = time.monotonic() + 30
-        while "restarted as PID" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
-        assert first not in children(proc.pid) and children(proc.pid)
-        # The store reconnects by itself; the next saves land in the new master.
-        rank.fill_block(0, 0, b"m" * 1024)
-        deadline = time.monotonic() + 30
-        while rank.save(H[:1], [[0]], 16).written != 1:
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        assert rank.lookup(H[:1], 17).hit_tokens == 16
+        with rank.kept_alive():  # the rank waits with the test, as an engine's client would, keeping its lease
+            os.kill(first, 9)
+            tail = lambda: log.read_text()[-3000:]  # noqa: E731
+            wait_until(lambda: "restarted as PID" in log.read_text(), timeout=30, what="master restart", detail=tail)
+            assert first not in children(proc.pid) and children(proc.pid)
+            # The store reconnects by itself; the next saves land in the new master.
+            rank.fill_block(0, 0, b"m" * 1024)
+            wait_until(lambda: rank.save(H[:1], [[0]], 16).written == 1, timeout=30, what="a save", detail=tail)
+            assert rank.lookup(H[:1], 17).hit_tokens == 16
     finally:
         if rank is not None:
             rank.close()

@@ -16,6 +16,7 @@ import torch
 from kvsidecar.master import EmbeddedMaster
 from kvsidecar.store import StoreCode
 from kvsidecar.testing.processes import Daemon, StorageNode
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar_client import DaemonUnavailable, EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, block_key
@@ -127,10 +128,13 @@ def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_m
             client.load(early, [list(range(56, 64))], before)
 
         daemon = Daemon(tmp_path, master=own_master.address, extra=daemon_args).start()
-        deadline = time.monotonic() + 30
-        while (hit := client.lookup(early, 129)).hit_tokens != 128:
-            assert time.monotonic() < deadline, f"no reconnect: {hit}"
-            time.sleep(0.3)
+        seen = []
+
+        def full_hit():
+            seen.append(hit := client.lookup(early, 129))
+            return hit if hit.hit_tokens == 128 else None
+
+        hit = wait_until(full_hit, timeout=30, what="reconnect", detail=lambda: f"no reconnect: {seen[-1]}")
         kv[56:64].zero_()
         assert client.load(early, [list(range(56, 64))], hit) == set()
         assert all(bool((kv[56 + i] == float(i + 1)).all()) for i in range(8))
@@ -173,10 +177,9 @@ def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
         assert metric(daemon, "kvsidecar_registered_region_bytes") == survivor_bytes + doomed_bytes
         os.kill(doomed.pid, 9)
         doomed.wait(10)
-        deadline = time.monotonic() + 10  # the lease is 3 s, housekeeping runs every second
-        while metric(daemon, 'kvsidecar_sessions{role="rank"}') != 1:
-            assert time.monotonic() < deadline, daemon.log()[-2000:]
-            time.sleep(0.3)
+        # The lease is 3 s, housekeeping runs every second.
+        released = lambda: metric(daemon, 'kvsidecar_sessions{role="rank"}') == 1  # noqa: E731
+        wait_until(released, timeout=10, what="the killed rank released", detail=lambda: daemon.log()[-2000:])
         assert metric(daemon, "kvsidecar_registered_region_bytes") == survivor_bytes
         kv.fill_(3.0)
         h = hashes(1, 6)
