@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -15,6 +14,7 @@ import pytest
 
 from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar.testing.processes import Daemon
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.rawrank import RawRank, group, open_request
 
@@ -298,7 +298,12 @@ def test_status_command(daemon, ranks):
 
 def test_session_of_a_silent_rank_expires(daemon, ranks):
     rank = ranks(open_request([group("mla", 16)], model="org/Expire"))
-    time.sleep(5)  # --session-ttl 3, housekeeping every second
+
+    def sessions_gone() -> bool:  # read from the metrics: a request of the rank's would renew its lease
+        text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+        return 'kvsidecar_sessions{role="rank"} 0.0' in text
+
+    wait_until(sessions_gone, timeout=15, what="the silent rank's session expired")  # --session-ttl 3
     with pytest.raises(grpc.RpcError) as err:
         rank.lookup(hashes(1), 17)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
