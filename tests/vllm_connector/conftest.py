@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sidecar_daemon import Daemon, start_daemon
+from sidecar_daemon import Daemon
 
 # A llama-shaped config with no weights: vLLM reads it for heads, layers and lengths and never loads a tensor.
 TINY_MODEL = {
@@ -55,7 +55,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One real daemon for the module's tests; tests keep apart through their own cache_prefix."""
-    proc = start_daemon(tmp_path_factory.mktemp("kvsidecar"))
+    proc = Daemon(tmp_path_factory.mktemp("kvsidecar")).start()
     try:
         yield proc
     finally:

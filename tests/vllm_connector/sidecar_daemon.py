@@ -18,10 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from kvsidecar.testing import processes  # noqa: E402
 from kvsidecar.testing.mooncake_env import MooncakeEnv  # noqa: E402
-from kvsidecar.testing.processes import Daemon  # noqa: E402
 
-__all__ = ["Daemon", "counters", "daemon_python", "remove_keys", "start_daemon"]
+__all__ = ["Daemon", "daemon_python"]
 
 
 def daemon_python() -> Path:
@@ -29,43 +29,40 @@ def daemon_python() -> Path:
     return Path(os.environ.get("KVSIDECAR_PYTHON", str(REPO / ".venv" / "bin" / "python")))
 
 
-def start_daemon(workdir: Path) -> Daemon:
-    """`kvsidecar serve` with an embedded mooncake_master, on a socket in workdir."""
-    python = daemon_python()
-    if not python.exists():
-        pytest.fail(f"no kvsidecar daemon at {python}: run scripts/setup.sh, or set KVSIDECAR_PYTHON")
-    return Daemon(workdir, session_ttl=5, local_buffer_size=None, log_level="info", python=python).start()
+class Daemon(processes.Daemon):
+    """`kvsidecar serve` with an embedded mooncake_master, on a socket in workdir, run by the main venv."""
 
+    def __init__(self, workdir: Path) -> None:
+        python = daemon_python()
+        if not python.exists():
+            pytest.fail(f"no kvsidecar daemon at {python}: run scripts/setup.sh, or set KVSIDECAR_PYTHON")
+        super().__init__(workdir, session_ttl=5, local_buffer_size=None, log_level="info", python=python)
 
-def _status(daemon: Daemon) -> dict:
-    result = subprocess.run(
-        [daemon.python, "-m", "kvsidecar", "status", "--socket", daemon.socket, "--json"],
-        capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
-    return dict(json.loads(result.stdout))
+    def status(self, *, quiet: bool = False) -> subprocess.CompletedProcess[str]:
+        """`kvsidecar status` against this daemon (exit 0: healthy)."""
+        args = [self.python, "-m", "kvsidecar", "status", "--socket", self.socket, "--quiet" if quiet else "--json"]
+        return subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
 
+    def counters(self) -> dict[str, float]:
+        """The daemon's Prometheus counters, as `kvsidecar status --json` prints them."""
+        return dict(json.loads(self.status().stdout)["counters"])
 
-def counters(daemon: Daemon) -> dict[str, float]:
-    """The daemon's Prometheus counters, as `kvsidecar status --json` prints them."""
-    return dict(_status(daemon)["counters"])
-
-
-def remove_keys(daemon: Daemon, keys: list[str]) -> None:
-    """Remove values from the store behind the daemon's back (a Mooncake client of its own, in the daemon's venv):
-    the way a store loses data to eviction or a failed node."""
-    script = (
-        "import sys\n"
-        "from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore\n"
-        "settings = MooncakeSettings(local_hostname='127.0.0.1', master_server_addr=sys.argv[1], "
-        "global_segment_size=0)\n"
-        "store = MooncakeStore.connect(settings)\n"
-        "codes = store.remove(sys.argv[2:])\n"
-        "store.close()\n"
-        "sys.exit(0 if all(c.name == 'OK' for c in codes) else f'remove: {codes}')\n"
-    )
-    master = _status(daemon)["master_address"]
-    with MooncakeEnv(daemon.workdir) as env:
-        subprocess.run(
-            [daemon.python, "-c", script, master, *keys], env=env.child_env(native=False), check=True, timeout=60,
-            capture_output=True,
-        )  # fmt: skip
+    def remove_keys(self, keys: list[str]) -> None:
+        """Remove values from the store behind the daemon's back (a Mooncake client of its own, in the daemon's
+        venv): the way a store loses data to eviction or a failed node."""
+        script = (
+            "import sys\n"
+            "from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore\n"
+            "settings = MooncakeSettings(local_hostname='127.0.0.1', master_server_addr=sys.argv[1], "
+            "global_segment_size=0)\n"
+            "store = MooncakeStore.connect(settings)\n"
+            "codes = store.remove(sys.argv[2:])\n"
+            "store.close()\n"
+            "sys.exit(0 if all(c.name == 'OK' for c in codes) else f'remove: {codes}')\n"
+        )
+        master = json.loads(self.status().stdout)["master_address"]
+        with MooncakeEnv(self.workdir) as env:
+            subprocess.run(
+                [self.python, "-c", script, master, *keys], env=env.child_env(native=False), check=True, timeout=60,
+                capture_output=True,
+            )  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
 
-from sidecar_daemon import remove_keys, start_daemon
+from sidecar_daemon import Daemon
 from sidecar_engine import BLOCK, LAYOUTS, Engine, kv_cache_config, vllm_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -61,7 +61,7 @@ def test_one_missing_block_is_the_one_block_recomputed(vllm_env, tiny_model, dae
         hashes = list(warm.request("warm").block_hashes)
 
         def lose_block_2(output):
-            remove_keys(daemon, [key(cache_prefix, 0, hashes[2])])  # the value of block 2 (tokens 32..48)
+            daemon.remove_keys([key(cache_prefix, 0, hashes[2])])  # the value of block 2 (tokens 32..48)
 
         warm.step(before_worker=lose_block_2)
         request = warm.request("warm")
@@ -81,7 +81,7 @@ def test_failed_blocks_are_reported_exactly(vllm_env, tiny_model, daemon, cache_
         hashes = list(warm.request("warm").block_hashes)
         output = warm.scheduler.schedule()
         (load,) = output.kv_connector_metadata.loads
-        remove_keys(daemon, [key(cache_prefix, 0, hashes[1]), key(cache_prefix, 0, hashes[3])])
+        daemon.remove_keys([key(cache_prefix, 0, hashes[1]), key(cache_prefix, 0, hashes[3])])
         worker = warm.worker
         worker.bind_connector_metadata(output.kv_connector_metadata)
         worker.start_load_kv(None)
@@ -106,7 +106,7 @@ def test_hybrid_failed_load_recomputes_the_request(vllm_env, tiny_model, daemon,
     try:
         warm.add("warm", PROMPT)
         hashes = list(warm.request("warm").block_hashes)
-        warm.step(before_worker=lambda _: remove_keys(daemon, [key(cache_prefix, 0, hashes[2])]))
+        warm.step(before_worker=lambda _: daemon.remove_keys([key(cache_prefix, 0, hashes[2])]))
         # Reported as a failed receive: vLLM drops the whole hit and admits the request again...
         assert warm.request("warm").num_computed_tokens == 0
         # ...where a new lookup finds what is still stored: blocks 0-1 and the recurrent state after them.
@@ -117,7 +117,7 @@ def test_hybrid_failed_load_recomputes_the_request(vllm_env, tiny_model, daemon,
 
 
 def test_daemon_gone_before_the_load_recomputes_every_block(vllm_env, tiny_model, tmp_path, cache_prefix):
-    own = start_daemon(tmp_path)
+    own = Daemon(tmp_path).start()
     try:
         save_prompt(tiny_model, own.target, cache_prefix, "full")
         warm = engine(tiny_model, own.target, cache_prefix, "full")

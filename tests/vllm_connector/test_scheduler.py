@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
 
-from sidecar_daemon import counters
 from sidecar_engine import BLOCK, LAYOUTS, Engine, kv_cache_config, vllm_config
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
@@ -44,14 +43,14 @@ def external_tokens(warm: Engine, req_id: str, prompt, **kw) -> int:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_cold_saves_then_another_engine_hits_the_same_prompt(vllm_env, tiny_model, daemon, cache_prefix, layout):
-    saved_before = counters(daemon).get("kvsidecar_saved_bytes_total", 0.0)
+    saved_before = daemon.counters().get("kvsidecar_saved_bytes_total", 0.0)
     cold = engine(tiny_model, daemon, cache_prefix, layout)
     try:
         cold.add("cold", PROMPT)
         cold.run_until("cold")
     finally:
         cold.close()
-    assert counters(daemon)["kvsidecar_saved_bytes_total"] > saved_before
+    assert daemon.counters()["kvsidecar_saved_bytes_total"] > saved_before
 
     warm = engine(tiny_model, daemon, cache_prefix, layout)
     try:
