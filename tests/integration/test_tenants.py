@@ -126,17 +126,12 @@ def test_stats_show_a_tenant_its_own_sessions_and_the_admin_all(users, sockdir, 
     d = start(sockdir, tenants_file(sockdir / "tenants.toml", a, b), mooncake_master.address)
     hold = None
     try:
-        # alpha keeps a session open in the background while beta and ops ask for Stats.
+        # alpha holds a session open until the test is done asking for Stats.
+        done = sockdir / "stats-done"
         body = {"target": d.target, "uid": a.pw_uid, "gid": a.pw_gid,
-                "steps": [["open", "team-a"], ["hostile", "3"]]}  # fmt: skip
+                "steps": [["open", "team-a"], ["wait_for", str(done), "120"]]}  # fmt: skip
         hold = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(body)], stdout=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        seen: list = []
-        while time.monotonic() < deadline:
-            seen = engine(d, None, ("open", "ops"), ("stats",))[1]["sessions"]
-            if ["alpha", "team-a"] in seen:
-                break
-            time.sleep(0.2)
+        seen = engine(d, None, ("open", "ops"), ("stats_until", "alpha", "team-a", "90"))[1]["sessions"]
         assert ["alpha", "team-a"] in seen and ["ops", "ops"] in seen  # the admin sees every tenant
         beta = engine(d, b, ("open", "team-b"), ("stats",))[1]
         assert beta["caller_tenant"] == "beta" and beta["sessions"] == [["beta", "team-b"]]
@@ -145,9 +140,13 @@ def test_stats_show_a_tenant_its_own_sessions_and_the_admin_all(users, sockdir, 
         status = subprocess.run([sys.executable, "-m", "kvsidecar", "status", "--address", d.target],
                                 capture_output=True, text=True, timeout=30)  # fmt: skip
         assert "tenancy: multi-tenant: 3 tenants" in status.stdout and "(you: tenant ops)" in status.stdout
+        done.touch()
+        out, _ = hold.communicate(timeout=60)
+        assert hold.returncode == 0 and json.loads(out.strip().splitlines()[-1])[1] == {"ok": True}, out
     finally:
-        if hold is not None:
-            hold.wait(60)
+        if hold is not None and hold.poll() is None:
+            hold.kill()
+            hold.wait(10)
         assert d.stop() == 0, d.log()
 
 

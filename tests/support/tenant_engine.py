@@ -12,6 +12,8 @@ Steps (the JSON's "steps", run in order), each answering {"ok": ...} or {"error"
   load SEED N         look up and load prompt SEED into fresh blocks; answers loaded and whether the bytes match
   reset               Reset the open session's namespace
   stats               Stats as this uid: the tenants and prefixes of the sessions it sees
+  stats_until T P S   Stats, asked again until a session of tenant T under prefix P shows (at most S seconds)
+  wait_for PATH S     wait (at most S seconds) until PATH exists, holding the session open meanwhile
   hostile SECONDS     truncate, punch holes in and remap its own memfd in a loop while saving and loading
 """
 
@@ -54,11 +56,13 @@ class Engine:
     def __init__(self, target: str, model: str, num_blocks: int, block_floats: int) -> None:
         self.target, self.model = target, model
         self.kv = shared_tensor((num_blocks, block_floats), torch.float32)
+        self.named_kv: torch.Tensor | None = None
         self.client: SidecarClient | None = None
 
     def open(self, prefix: str, named: bool = False) -> dict[str, Any]:
         if named:
-            self.kv = shared_tensor(tuple(self.kv.shape), torch.float32, named=True)
+            assert self.named_kv is not None, "made before dropping privileges (its resource tracker is a process)"
+            self.kv = self.named_kv
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -110,6 +114,22 @@ class Engine:
             "tenancy": s.tenancy,
             "sessions": sorted({(x.tenant, x.cache_prefix) for x in s.sessions}),
         }
+
+    def stats_until(self, tenant: str, prefix: str, seconds: float) -> dict[str, Any]:
+        end = time.monotonic() + seconds
+        while True:
+            answer = self.stats()
+            if [tenant, prefix] in [list(s) for s in answer["sessions"]] or time.monotonic() > end:
+                return answer
+            time.sleep(0.05)
+
+    def wait_for(self, path: str, seconds: float) -> dict[str, Any]:
+        end = time.monotonic() + seconds
+        while not os.path.exists(path):
+            if time.monotonic() > end:
+                return {"ok": False, "reason": f"{path} did not appear in {seconds} s"}
+            time.sleep(0.05)
+        return {"ok": True}
 
     def hostile(self, seconds: float) -> dict[str, Any]:
         self._need()
@@ -169,6 +189,8 @@ def drop_privileges(uid: int, gid: int) -> None:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     engine = Engine(spec["target"], spec.get("model", "org/model"), spec.get("blocks", 32), spec.get("floats", 1024))
+    if any(step[0] == "open_named" for step in spec["steps"]):
+        engine.named_kv = shared_tensor(tuple(engine.kv.shape), torch.float32, named=True)
     if "uid" in spec:
         drop_privileges(spec["uid"], spec["gid"])
     answers = []
@@ -183,6 +205,10 @@ def main() -> None:
                 answers.append(getattr(engine, op)(args[0], int(args[1])))
             elif op == "hostile":
                 answers.append(engine.hostile(float(args[0])))
+            elif op == "stats_until":
+                answers.append(engine.stats_until(args[0], args[1], float(args[2])))
+            elif op == "wait_for":
+                answers.append(engine.wait_for(args[0], float(args[1])))
             else:
                 answers.append(getattr(engine, op)())
         except SidecarError as exc:
