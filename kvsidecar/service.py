@@ -52,6 +52,8 @@ class SidecarService(pb_grpc.SidecarServicer):
         self._data_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data")
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvsidecar-lookup")
         self._stopping = False
+        # The daemon's listeners and the packets each refused (set by the daemon's fence; none in tests).
+        self.listener_report: Callable[[], list[tuple[Any, int]]] = list
 
     @property
     def store(self) -> Store:
@@ -221,6 +223,10 @@ class SidecarService(pb_grpc.SidecarServicer):
                 master_address=self.master_address,
                 sessions=[_session_info(s, now) for s in self.sessions.snapshot()],
                 counters=counters,
+                listeners=[
+                    pb.ListenerInfo(role=item.role, address=item.address, allowed=item.allowed, dropped_packets=drops)
+                    for item, drops in self.listener_report()
+                ],
             )
 
         return await self._call(context, "Stats", self._lookup_pool, run, request)

@@ -340,7 +340,7 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters")
+    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "listeners")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class StatsResponse(_message.Message):
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LISTENERS_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     uptime_seconds: float
     store_healthy: bool
@@ -362,4 +363,17 @@ class StatsResponse(_message.Message):
     master_address: str
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    listeners: _containers.RepeatedCompositeFieldContainer[ListenerInfo]
+    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., listeners: _Optional[_Iterable[_Union[ListenerInfo, _Mapping]]] = ...) -> None: ...
+
+class ListenerInfo(_message.Message):
+    __slots__ = ("role", "address", "allowed", "dropped_packets")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PACKETS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    allowed: str
+    dropped_packets: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., allowed: _Optional[str] = ..., dropped_packets: _Optional[int] = ...) -> None: ...
