@@ -409,6 +409,17 @@ def test_kvsidecar_unit_settings():
     assert service.get("ProtectClock", "no") == "no" and "DeviceAllow" not in service
     assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+    _assert_ip_allow_list(UNITS / "kvsidecar.service")
+
+
+def _assert_ip_allow_list(path):
+    """Deny by default, loopback always; the example network is the one the env file passes as --peer-network."""
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    assert "IPAddressDeny=any" in lines, path.name
+    allowed = [line.split("=", 1)[1] for line in lines if line.startswith("IPAddressAllow=")]
+    assert allowed[0] == "localhost" and len(allowed) >= 2, allowed
+    env = (UNITS / "kvsidecar.env").read_text()
+    assert all(f"--peer-network {net}" in env for net in allowed[1:]), allowed
 
 
 def test_mooncake_master_unit_settings():
@@ -420,6 +431,7 @@ def test_mooncake_master_unit_settings():
     flags = _flag_pairs(exec_start[1:-1])
     assert flags["enable-metric-reporting"] == "false"
     assert {"rpc-port", "metrics-port", "default-kv-lease-ttl"} <= set(flags)
+    _assert_ip_allow_list(UNITS / "mooncake-master.service")
 
 
 def test_environment_file_example():
@@ -646,3 +658,20 @@ def test_promtool_unit_tests_of_the_alerts():
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_network_policies_close_mooncake_ports_to_all_but_daemons():
+    """Pod networks: the daemon pod admits engines and Prometheus; Mooncake's ports only the other daemons."""
+    for overlay in OVERLAYS:
+        policies = [doc for doc in rendered(overlay) if doc.get("kind") == "NetworkPolicy"]
+        assert policies, f"{_rel(overlay)} renders no NetworkPolicy"
+        for policy in policies:
+            for rule in policy["spec"]["ingress"]:
+                ports = [p["port"] for p in rule["ports"]]
+                if 15000 in ports:  # Mooncake's transfer/handshake range: never from everywhere
+                    assert rule.get("from"), f"{_rel(overlay)}: {policy['metadata']['name']} opens Mooncake's ports"
+        master = [p for p in policies if p["metadata"]["name"] == "mooncake-master"]
+        if any(doc.get("kind") == "Deployment" and "master" in doc["metadata"]["name"] for doc in rendered(overlay)):
+            (policy,) = master
+            rpc = [rule for rule in policy["spec"]["ingress"] if "rpc" in [p["port"] for p in rule["ports"]]]
+            assert rpc and all(rule.get("from") for rule in rpc), "the master's RPC port is open to every pod"
