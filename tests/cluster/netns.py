@@ -68,9 +68,9 @@ class Fabric:
         _ip("link", "set", self.bridge, "up")
         return self
 
-    def add(self) -> Node:
-        """A new namespace with the next address, its loopback up."""
-        index = len(self.nodes) + 2
+    def add(self, index: int = 0) -> Node:
+        """A new namespace with address subnet.index (default: the next one), its loopback up."""
+        index = index or len(self.nodes) + 2
         node = Node(f"kvs{self.tag}n{index}", f"{self.subnet}.{index}")
         outer, inner = f"kv{self.tag}h{index}", f"kv{self.tag}c{index}"
         self.nodes.append(node)
