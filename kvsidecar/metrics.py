@@ -101,3 +101,12 @@ class Metrics:
         )
         self.listener_drops = ListenerDrops()
         r.register(self.listener_drops)
+
+    def totals(self) -> dict[str, float]:
+        """Every unlabelled counter's total, by sample name (for Stats)."""
+        return {
+            s.name: s.value
+            for metric in self.registry.collect()
+            for s in metric.samples
+            if s.name.endswith("_total") and not s.labels
+        }
