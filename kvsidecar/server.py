@@ -224,7 +224,8 @@ class Daemon:
             replica_num=cfg.replicas,
         )
         # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
-        self.fence = DaemonFence(policy_for(embedded_master=self.master is not None, peer_networks=cfg.peer_network))
+        policy = policy_for(embedded_master=self.master is not None, peer_networks=cfg.peer_network)
+        self.fence = DaemonFence(policy, self.master.metrics_url if self.master is not None else "")
         try:
             return self.fence.open_store(lambda: MooncakeStore.connect(settings), lambda store: store.close())
         except FenceError as exc:

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvsidecar.fence import bpf
+from kvsidecar.fence import bpf, segments
 from kvsidecar.fence.guard import FenceError, Listener, ListenerFence, Policy, listening_inodes
 
 __all__ = ["DaemonFence", "FenceError", "Listener", "is_loopback_host", "policy_for"]
@@ -37,10 +37,12 @@ def policy_for(*, embedded_master: bool, peer_networks: tuple[str, ...]) -> Poli
 class DaemonFence:
     """Seals the listeners Mooncake opens in this daemon and reports every listener the daemon holds."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, master_admin_url: str = "") -> None:
+        """master_admin_url: the embedded master's admin HTTP, watched for segments that are not this daemon's."""
         self.policy = policy
         self._fence = ListenerFence(policy)
         self._own: list[Listener] = []
+        self._master_admin_url = master_admin_url
 
     def open_store(self, connect: Callable[[], _T], close: Callable[[_T], None]) -> _T:
         """Run connect() (which sets up Mooncake) and fence every listener it opened; close the store if one fails."""
@@ -72,6 +74,23 @@ class DaemonFence:
         for listener in self._fence.sweep(self.own_ports()):
             log.warning("fenced late listener %s %s: allowed %s", listener.role, listener.address, listener.allowed)
         self._fence.check_breaches()
+        if self._master_admin_url:
+            self._check_segments()
+
+    def _check_segments(self) -> None:
+        try:
+            detail = segments.segments_detail(self._master_admin_url)
+        except (OSError, ValueError) as exc:  # the master is down or restarting: its supervisor handles that
+            log.debug("cannot list the embedded master's segments: %s", exc)
+            return
+        ports = {int(item.address.rpartition(":")[2]) for item in self._fence.listeners()}
+        foreign = segments.foreign_segments(detail, ports)
+        if foreign:
+            # The master would place some of this daemon's blocks in that memory and serve them back from it.
+            raise FenceError(
+                f"a Mooncake client other than this daemon mounted a segment at the embedded master: "
+                f"{', '.join(foreign)}; a local account could read and alter the blocks placed there"
+            )
 
     def listeners(self) -> list[Listener]:
         """Every listener of the daemon: kvsidecar's own, then the fenced ones."""

@@ -7,6 +7,7 @@ The probe is the raw 24-byte READ header of Mooncake's transfer protocol; a bare
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -72,7 +73,7 @@ def test_the_probe_reads_a_bare_mooncake_clients_memory(tmp_path, fabric, outsid
         [sys.executable, str(HERE / "exposed_client.py"), mooncake_master.address],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        env={**__import__("os").environ, "MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"},
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"},
     )
     try:
         assert client.stdout is not None
@@ -127,3 +128,25 @@ def test_local_accounts_cannot_reach_the_fenced_ports_either(daemon):
     ports = [s.local_port for s, program in listener_filters(daemon.pid) if program == DENY_ALL]
     results = probe(Node("", ""), segment_base(daemon), [f"127.0.0.1:{port}" for port in ports])
     assert all(r["outcome"] == "connect timed out" and r["bytes"] == "" for r in results), results
+
+
+def test_a_local_mooncake_client_mounting_a_segment_stops_the_daemon(tmp_path):
+    """A local account's client at the embedded master would receive some of the daemon's blocks: fail closed."""
+    d = Daemon(tmp_path, ["--segment-size", "16MiB", "--metrics-address", "127.0.0.1:0"]).start()
+    args = Path(f"/proc/{master_of(d)}/cmdline").read_bytes().split(b"\0")
+    rpc = next(a.split(b"=")[1].decode() for a in args if a.startswith(b"--rpc_port="))
+    rogue = subprocess.Popen(
+        [sys.executable, str(HERE / "exposed_client.py"), f"127.0.0.1:{rpc}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"},
+    )
+    try:
+        assert d.proc is not None
+        assert d.proc.wait(60) == 1, d.log()
+        assert "mounted a segment at the embedded master" in d.log()
+    finally:
+        assert rogue.stdin is not None
+        rogue.stdin.close()
+        rogue.wait(30)
+        d.stop()

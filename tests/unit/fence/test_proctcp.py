@@ -70,3 +70,16 @@ def test_reads_this_process_listeners():
         port = s.getsockname()[1]
         found = [sock for sock, fd in proctcp.listeners() if sock.local_port == port]
         assert len(found) == 1 and proctcp.is_loopback_bound(found[0])
+
+
+def test_foreign_segments_are_those_on_other_endpoints():
+    from kvsidecar.fence.segments import foreign_segments
+
+    detail = {
+        "segments": [
+            {"segment_name": "127.0.0.1:14123", "te_endpoint": "127.0.0.1:16529"},
+            {"segment_name": "127.0.0.1:13001", "te_endpoint": "127.0.0.1:15888"},
+        ]
+    }
+    assert foreign_segments(detail, {16529, 16158}) == ["127.0.0.1:13001 (endpoint 127.0.0.1:15888)"]
+    assert foreign_segments({"total_segments": 0, "segments": []}, {1}) == []
