@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import Fabric, Node, require_root
+from netns import Fabric, Node, free_subnet, require_root
 
 from kvsidecar.master import find_master_binary
 
-SUBNET = "10.213.42"
+# A subnet of its own per run, so two runs on one machine never share addresses.
+SUBNET = free_subnet(range(200, 250))
 PEERS = f"{SUBNET}.8/29"  # the cluster's nodes: .8-.15
 MASTER_IP, A_IP, B_IP = f"{SUBNET}.10", f"{SUBNET}.11", f"{SUBNET}.12"
 C_IP, OUTSIDE_IP = f"{SUBNET}.20", f"{SUBNET}.30"  # a daemon and a plain client outside the peer network

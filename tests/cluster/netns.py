@@ -19,6 +19,30 @@ def require_root() -> None:
         pytest.skip("iproute2 (`ip`) is not installed")
 
 
+def free_subnet(second_octets: range) -> str:
+    """A random 10.x.y (a /24) that no address or route of this machine touches, so two runs never collide."""
+    import ipaddress
+
+    try:
+        used = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True).stdout
+    except FileNotFoundError:  # no iproute2: the tests skip anyway
+        used = ""
+    taken = []
+    for line in used.splitlines():
+        word = line.split()[0] if line.split() else ""
+        if word[0:1].isdigit():
+            try:
+                taken.append(ipaddress.ip_network(word, strict=False))
+            except ValueError:
+                continue
+    for _ in range(100):
+        subnet = f"10.{secrets.choice(second_octets)}.{secrets.randbelow(256)}"
+        net = ipaddress.ip_network(f"{subnet}.0/24")
+        if not any(net.overlaps(t) for t in taken if t.prefixlen > 0):
+            return subnet
+    raise RuntimeError("no free 10.x.y.0/24 subnet")
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns import Fabric, Node, require_root
+from netns import Fabric, Node, free_subnet, require_root
 from nodes import KVSIDECAR, Daemon, children, listener_filters
 
 from kvsidecar.fence import bpf, proctcp
@@ -28,7 +28,7 @@ DENY_ALL = bpf.encode(bpf.allow_program([]))
 @pytest.fixture(scope="module")
 def fabric() -> Iterator[Fabric]:
     require_root()
-    with Fabric("10.213.41") as f:
+    with Fabric(free_subnet(range(150, 200))) as f:
         f.add()
         yield f
 
