@@ -93,3 +93,21 @@ def test_an_allowed_peer_connected_before_the_fence_is_fine():
         fence.release()
         for s in held:
             s.close()
+
+
+def test_the_kernel_runs_both_halves_of_the_program():
+    """IPv4 and IPv6 sources reach one dual-stack listener; the kernel admits loopback of both and only that."""
+    fence = guard.ListenerFence(guard.Policy.peers([]))
+    before = guard.listening_inodes()
+    with dual_stack_listener() as s:
+        fence.seal_new(before)
+        port = s.getsockname()[1]
+        assert connects(port, "127.0.0.1") and connects(port, "::1")
+    fence.release()
+    only_v4 = guard.ListenerFence(guard.Policy((bpf.LOOPBACK[0],)))
+    before = guard.listening_inodes()
+    with dual_stack_listener() as s:
+        only_v4.seal_new(before)
+        port = s.getsockname()[1]
+        assert connects(port, "127.0.0.1") and not connects(port, "::1")
+    only_v4.release()
