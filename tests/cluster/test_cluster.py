@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from conftest import A_IP, B_IP, C_IP, CLIENT_TTL_S, MANIFEST, OUTSIDE_IP, PEERS
 from netns import Fabric, Node
 from nodes import Daemon, listener_filters
 
-from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
 from support.e2e_bytes import Prompt
 from support.e2e_engine import GQA, MAMBA_CONV, MAMBA_SSM, MLA, SimEngine, cold_pass, scheduler, unique_model, warm_pass
 from support.e2e_rank import RankProcess
@@ -67,7 +68,12 @@ def locations(master: Master) -> dict[str, str]:
     """Every key in the cluster -> the transport endpoint of the segment holding its (one) replica."""
     out = {}
     for key in master.admin("/get_all_keys").split():
-        replicas = master.admin(f"/query_key?key={key}")["data"]
+        try:
+            replicas = master.admin(f"/query_key?key={key}")["data"]
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:  # removed between the listing and the query (a dead node's values going away)
+                continue
+            raise
         out[key] = ",".join(sorted(str(r) for r in replicas))
     return out
 
@@ -207,6 +213,14 @@ def test_a_killed_node_fails_its_blocks_and_the_master_forgets_them(nodes, ranks
     failed = sum(len(r["failures"]) for r in loads)
     loaded = sum(r["loaded"] for r in loads)
     assert failed > 0 and loaded > 0, loads  # A's values fail, B's load
+    # Exactly values that lived only in A's segment failed: map each failure back to its key.
+    warm_top = on_b.warm_ids(prompt)[0][0]
+    failed_keys = {
+        block_key(Geometry.of(layout.for_rank(rank)).groups[f["group"]].prefix, prompt.hashes[warm_top - f["block_id"]])
+        for rank, result in enumerate(loads)
+        for f in result["failures"]
+    }
+    assert failed_keys <= only_in_a, failed_keys - only_in_a
     never_wrong_bytes(on_b, prompt, hit.hit_tokens)
 
     # After the master's client TTL, A's segment and every value in it are gone; B's values stay.
