@@ -16,10 +16,11 @@ from conftest import A_IP, B_IP, C_IP, CLIENT_TTL_S, MANIFEST, OUTSIDE_IP, PEERS
 from netns import Fabric, Node
 from nodes import Daemon, listener_filters
 
+from kvsidecar.testing.oracle import Prompt
+from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
-from support.e2e_bytes import Prompt
+from support import e2e_rank
 from support.e2e_engine import GQA, MAMBA_CONV, MAMBA_SSM, MLA, SimEngine, cold_pass, scheduler, unique_model, warm_pass
-from support.e2e_rank import RankProcess
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
@@ -35,7 +36,7 @@ def hybrid(name: str) -> Layout:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RankProcess]]:
     """Four rank processes in the root namespace: the engine on A uses 0-1, the one on B 2-3."""
     workdir = tmp_path_factory.mktemp("cluster-ranks")
-    procs = [RankProcess.start(workdir, f"rank{i}") for i in range(4)]
+    procs = [e2e_rank.start(workdir, f"rank{i}") for i in range(4)]
     try:
         for proc in procs:
             proc.wait_ready()
@@ -103,7 +104,7 @@ def probe(node: Node, targets: list[str]) -> list[dict[str, str]]:
 
 def never_wrong_bytes(engine: SimEngine, prompt: Prompt, hit_tokens: int) -> None:
     """Every block holds what the oracle says after the load, or still the poison of a cleared block."""
-    from support.e2e_bytes import POISON, digest
+    from kvsidecar.testing.oracle import POISON, digest
 
     found = engine.digests()
     problems = engine.verify(prompt, hit_tokens)
