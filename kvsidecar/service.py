@@ -285,6 +285,7 @@ def _session_info(s: Session, now: float) -> pb.SessionInfo:
             pcp_size=p.pcp_size,
             pcp_rank=p.pcp_rank,
             dcp_size=p.dcp_size,
+            dcp_rank=p.dcp_rank,
         ),
         mapped_bytes=s.memory.mapped_bytes if s.memory is not None else 0,
         age_seconds=now - s.opened_at,

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_contract.limits import MAX_GROUPS
+from kvsidecar_contract.placement import PlacementError
+from kvsidecar_contract.placement.layout import check_dcp_size, dcp_rank_of
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
@@ -36,7 +38,10 @@ def _check_u32(name: str, value: int, low: int = 0) -> None:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP size D."""
+    """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP (D, d).
+
+    dcp_rank is the rank in its DCP group as the engine's parallel state says; None lets the daemon derive it.
+    """
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -45,6 +50,7 @@ class EngineLayout:
     pcp_size: int = 1
     pcp_rank: int = 0
     dcp_size: int = 1
+    dcp_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name, size, rank in (
@@ -57,8 +63,20 @@ class EngineLayout:
             if rank >= size:
                 raise InvalidRequest(f"{name}_rank must be in [0, {size}), got {rank}")
         _check_u32("dcp_size", self.dcp_size, 1)
-        if self.tp_size % self.dcp_size:
-            raise InvalidRequest(f"dcp_size {self.dcp_size} must divide tp_size {self.tp_size}")
+        if self.dcp_rank is not None:
+            _check_u32("dcp_rank", self.dcp_rank)
+        # Which (T, C, D) vLLM accepts, and which DCP rank each rank has, are placement rules: the contract's.
+        try:
+            check_dcp_size(self.tp_size, self.pcp_size, self.dcp_size)
+        except PlacementError as error:
+            raise InvalidRequest(str(error)) from None
+        expected = dcp_rank_of(self.tp_rank, self.pcp_rank, self.tp_size, self.pcp_size, self.dcp_size)
+        if self.dcp_rank is not None and self.dcp_rank != expected:
+            raise InvalidRequest(
+                f"dcp_rank {self.dcp_rank} is not the DCP rank vLLM lays out for tp_rank {self.tp_rank} on pcp_rank "
+                f"{self.pcp_rank} with (tp, pcp, dcp) sizes ({self.tp_size}, {self.pcp_size}, {self.dcp_size}): "
+                f"{expected}"
+            )
 
     def to_proto(self) -> pb.ParallelLayout:
         """The contract's ParallelLayout message."""
@@ -70,6 +88,7 @@ class EngineLayout:
             pcp_size=self.pcp_size,
             pcp_rank=self.pcp_rank,
             dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank,
         )
 
 
@@ -133,6 +152,9 @@ class SessionSpec:
     role: str = "rank"
     hash_bytes: int = 32
     client_name: str = ""
+    # The engine's own hit alignment and fine-grained rule (0 / None: the daemon derives them).
+    hit_alignment_tokens: int = 0
+    fine_grained_hits: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -149,6 +171,9 @@ class SessionSpec:
         _check_u32("num_kv_heads", self.num_kv_heads, 1)
         _check_u32("hash_block_size", self.hash_block_size, 1)
         _check_u32("hash_bytes", self.hash_bytes, 1)
+        _check_u32("hit_alignment_tokens", self.hit_alignment_tokens)
+        if self.fine_grained_hits is not None and not isinstance(self.fine_grained_hits, bool):
+            raise InvalidRequest(f"fine_grained_hits must be a bool or None, got {self.fine_grained_hits!r}")
         if not isinstance(self.layout, EngineLayout):
             raise InvalidRequest(f"layout must be an EngineLayout, got {type(self.layout).__name__}")
         if not self.groups:
@@ -177,4 +202,6 @@ class SessionSpec:
             hash_bytes=self.hash_bytes,
             role=ROLES[self.role],
             client_name=self.client_name,
+            hit_alignment_tokens=self.hit_alignment_tokens,
+            fine_grained_hits=self.fine_grained_hits,
         )

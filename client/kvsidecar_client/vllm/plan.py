@@ -130,7 +130,8 @@ def load_block_ids(
         if group.recurrent:
             first = last
         else:
-            first = max(0, (hit_tokens - group.window) // s) if group.window else 0
+            # vLLM's sliding window needs the W - 1 tokens before the next one (the contract's first_needed_block).
+            first = max(0, (hit_tokens - group.window + 1) // s) if group.window else 0
         first = max(first, start_tokens // s)
         out.append([ids[i] for i in range(first, min(last + 1, len(ids)))])
     return out

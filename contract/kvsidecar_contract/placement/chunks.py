@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from kvsidecar_contract.limits import NO_BLOCK
 from kvsidecar_contract.placement.errors import InvalidRequest
-from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, writes_chunk
+from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, first_needed_block
 from kvsidecar_contract.placement.keys import block_key
 
 
@@ -34,9 +34,9 @@ def saved_boundaries(geo: Geometry, group: GroupGeometry, num_tokens: int) -> li
     s, u = group.span, geo.layout.hash_block_size
     out = [(k, (k + 1) * s) for k in range(num_tokens // s)]
     last = num_tokens - num_tokens % u
-    # The partial last block: recurrent state at the last U boundary always; attention tokens only when hits
-    # may end mid-block. (Without fine-grained hits a recurrent span equals U, so `last` is then a block end.)
-    if last % s and (group.spec.recurrent or geo.fine_grained):
+    # The partial last block (attention tokens, or the recurrent state at the last U boundary) only where hits may
+    # end inside this group's blocks: no lookup would ever ask for it otherwise.
+    if last % s and group.fine:
         out.append((last // s, last))
     return out
 
@@ -57,7 +57,6 @@ def save_plan(
         raise InvalidRequest(
             f"{num_tokens} tokens need {num_tokens // u} block hashes (one per {u} tokens), got {len(block_hashes)}"
         )
-    rank = geo.layout.parallel.tp_rank
     chunks: list[Chunk] = []
     others = absent = 0
     for group in geo.groups:
@@ -65,7 +64,7 @@ def save_plan(
         for index, boundary in saved_boundaries(geo, group, num_tokens):
             if boundary <= saved_tokens:
                 continue
-            if not writes_chunk(rank, group.index, index, group.factor):
+            if not group.writes(index):
                 others += 1
                 continue
             _check_index(group, ids, index)
@@ -103,11 +102,10 @@ def load_plan(
         ids = block_ids[group.index]
         s = group.span
         last = (hit_tokens - 1) // s
-        window = group.spec.attention_window
         if not group.spec.attention:
             first = last  # recurrent state: only the value at the hit end
         else:
-            first = 0 if window is None else max(0, (hit_tokens - window) // s)
+            first = first_needed_block(group.spec, hit_tokens, s)
         first = max(first, start_tokens // s)
         for index in range(first, last + 1):
             _check_index(group, ids, index)
