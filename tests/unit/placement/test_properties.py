@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 
@@ -51,6 +52,14 @@ def layouts(draw: st.DrawFn) -> Layout:
     d = draw(st.sampled_from([x for x in (1, 2, 4) if t % x == 0] if c == 1 else sorted({1, c, t * c})))
     u = draw(st.sampled_from([1, 2, 4]))
     groups = tuple(draw(st.lists(group_specs(u), min_size=1, max_size=3)))
+    # The engine may say how it aligns hits (vLLM's alignment covers groups the store never sees): a multiple of
+    # every span without fine-grained hits, or fine-grained hits on U.
+    spans = [g.block_size if g.recurrent else g.block_size * d for g in groups]
+    given = draw(
+        st.sampled_from(
+            [{}, {"hit_alignment_tokens": math.lcm(*spans) * draw(st.integers(1, 3))}, {"fine_grained_hits": True}]
+        )
+    )
     return Layout(
         "org/Model",
         groups,
@@ -63,6 +72,7 @@ def layouts(draw: st.DrawFn) -> Layout:
         num_kv_heads=draw(st.sampled_from([1, 2, 4, 8])),
         hash_block_size=u,
         cache_prefix=draw(st.sampled_from(["", "tenant"])),
+        **given,
     )
 
 
@@ -84,6 +94,10 @@ def brute_serves(geo: Geometry, g: int, row: list[bool], length: int) -> bool:
 
     if length == 0:
         return True
+    # A hit ends inside a block only with fine-grained hits, and never inside a sliding window's (vLLM's
+    # SlidingWindowManager has no lookup inside a block).
+    if length % s and not (geo.fine_grained and not any(k.sliding for k in spec.members)):
+        return False
     if spec.recurrent and not stored(length):
         return False
     if not spec.attention:
