@@ -89,7 +89,8 @@ def needed_blocks(view: GroupView, hit: int) -> range:
     last = (hit - 1) // view.span
     if not view.attention:
         return range(last, last + 1)
-    first = 0 if view.window is None else max(0, (hit - view.window) // view.span)
+    # The next token attends to the last W - 1 tokens before it (vLLM's sliding window).
+    first = 0 if view.window is None else max(0, (hit - view.window + 1) // view.span)
     return range(first, last + 1)
 
 

@@ -113,10 +113,10 @@ def warm_block_tags(
 ) -> dict[int, str]:
     """After loading a hit of hit_tokens of a prompt prefilled as `cold`: block index -> tag it must hold.
 
-    Attention: every block overlapping the tokens the engine attends to at the hit end ([hit - W, hit) for a sliding
-    window, else [0, hit)), as the cold prefill left it. Recurrent: the state after exactly hit_tokens tokens, in the
-    block whose slot covers the hit end. Blocks ending at or before start_tokens, which the engine already holds,
-    and every other block stay as they were.
+    Attention: every block overlapping the tokens the engine attends to at the hit end ([hit - W + 1, hit) for a
+    sliding window, as vLLM counts it, else [0, hit)), as the cold prefill left it. Recurrent: the state after
+    exactly hit_tokens tokens, in the block whose slot covers the hit end. Blocks ending at or before
+    start_tokens, which the engine already holds, and every other block stay as they were.
     """
     if hit_tokens <= start_tokens:
         return {}
@@ -126,7 +126,7 @@ def warm_block_tags(
     if spec.recurrent:
         return {last: _tag(layout, group, tensor, rank, "state", cold, hit_tokens)}
     window = spec.attention_window
-    first = 0 if window is None else max(0, hit_tokens - window) // s
+    first = 0 if window is None else max(0, hit_tokens - window + 1) // s
     first = max(first, start_tokens // s)
     cold_tags = cold_block_tags(layout, group, tensor, rank, cold)
     return {k: cold_tags[k] for k in range(first, last + 1)}
