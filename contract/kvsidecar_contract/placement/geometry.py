@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvsidecar_contract.placement.errors import InvalidLayout
 from kvsidecar_contract.placement.keys import namespace_prefix
-from kvsidecar_contract.placement.layout import MAX_TOKENS, GroupSpec, Layout, Parallel
+from kvsidecar_contract.placement.layout import GroupSpec, Layout, Parallel
+from kvsidecar_contract.placement.spans import Spans, span
+
+__all__ = [
+    "MAX_NAMESPACES",
+    "Geometry",
+    "GroupGeometry",
+    "byte_classes",
+    "head_shard",
+    "replication_factor",
+    "span",
+    "writes_chunk",
+]
 
 MAX_NAMESPACES = 1 << 16  # key prefixes a session precomputes, summed over its groups
 
@@ -46,32 +57,12 @@ def replication_factor(group: GroupSpec, tp_size: int, num_kv_heads: int, dcp_si
     return len(byte_classes(group, Parallel(tp_size=tp_size, dcp_size=dcp_size), num_kv_heads)[0])
 
 
-def span(group: GroupSpec, dcp_size: int) -> int:
-    """Rule 6: tokens one physical block covers; attention blocks are striped over D ranks under DCP."""
-    return group.block_size if group.recurrent else group.block_size * dcp_size
-
-
 def writes_chunk(member: int, group: int, chunk: int, factor: int) -> bool:
     """Rule 4: inside a replication set exactly one rank writes each chunk; the writer rotates with g.
 
     member is the rank's index in its replication set (r mod f when the set is f consecutive ranks).
     """
     return chunk % factor == (member + group) % factor
-
-
-def fine_lookup(group: GroupSpec) -> bool:
-    """Whether vLLM's manager for the group can end a hit inside a block (full attention, MLA, Mamba: yes).
-
-    vLLM's SlidingWindowManager has no fine-grained lookup: its hits always end on its own block boundaries.
-    """
-    return not any(k.sliding for k in group.members)
-
-
-def first_needed_block(group: GroupSpec, hit: int, span_tokens: int) -> int:
-    """Rule 8: the first block a hit of `hit` tokens needs. A window of W needs the last W - 1 tokens before the
-    next one, as vLLM's sliding window counts them (get_num_skipped_tokens: hit - W + 1 tokens skipped)."""
-    window = group.attention_window
-    return 0 if window is None else max(0, (hit - window + 1) // span_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +101,7 @@ class Geometry:
     @classmethod
     def of(cls, layout: Layout) -> Geometry:
         """Derive the geometry of a validated layout."""
-        par, u = layout.parallel, layout.hash_block_size
+        par = layout.parallel
         partitions = [byte_classes(spec, par, layout.num_kv_heads) for spec in layout.groups]
         namespaces = sum(par.pcp_size * len(classes) * par.pp_size for classes in partitions)
         if namespaces > MAX_NAMESPACES:
@@ -118,7 +109,7 @@ class Geometry:
                 f"this layout needs {namespaces} key namespaces per boundary across its groups, more than "
                 f"{MAX_NAMESPACES}"
             )
-        fine, unit = _alignment(layout)
+        spans = Spans.of(layout)
         groups = []
         for g, spec in enumerate(layout.groups):
             classes = partitions[g]
@@ -143,10 +134,9 @@ class Geometry:
             own = namespace_prefix(
                 layout.model_key, layout.cache_prefix, shard, par.pcp_rank, par.dcp_rank, par.pp_rank, g
             )
-            s = span(spec, par.dcp_size)
-            mid_block = fine and fine_lookup(spec) and s > u
-            groups.append(GroupGeometry(g, spec, len(mine), s, shard, own, lookup, mine.index(par.tp_rank), mid_block))
-        return cls(layout, tuple(groups), fine, unit)
+            s, mid = spans.spans[g], spans.mid[g]
+            groups.append(GroupGeometry(g, spec, len(mine), s, shard, own, lookup, mine.index(par.tp_rank), mid))
+        return cls(layout, tuple(groups), spans.fine_grained, spans.unit)
 
     def probed_boundaries(self, group: GroupGeometry, num_hashes: int) -> range:
         """Hash indices (boundary // U - 1) whose keys a lookup probes for this group."""
@@ -155,35 +145,3 @@ class Geometry:
         # otherwise every hit length is a block end of the group.
         step = 1 if group.fine else group.span // u
         return range(step - 1, num_hashes, step)
-
-
-def _alignment(layout: Layout) -> tuple[bool, int]:
-    """Rule 9: (fine-grained hits, alignment unit), as vLLM resolves them, or as the engine said it resolved them.
-
-    vLLM (kv_cache_utils.partial_hash_hits_enabled) lands hits on every hash block only with a Mamba group whose
-    block is longer than U (or at least U under DCP) and only if every group's manager can look up inside a block
-    or has blocks of U tokens; otherwise on the least common multiple of every group's span. The engine may have
-    groups the store does not see, so the alignment it sends wins; it must still fit every group seen here.
-    """
-    par, u = layout.parallel, layout.hash_block_size
-    spans = [span(spec, par.dcp_size) for spec in layout.groups]
-    pairs = list(zip(layout.groups, spans, strict=True))
-    recurrent_wide = any(spec.recurrent and (s > u or (par.dcp_size > 1 and s >= u)) for spec, s in pairs)
-    supported = all(fine_lookup(spec) or s == u for spec, s in pairs)
-    given = layout.hit_alignment_tokens
-    if layout.fine_grained_hits is not None:
-        fine = layout.fine_grained_hits
-    else:
-        fine = recurrent_wide and supported and given in (0, u)
-    lcm = math.lcm(*spans)
-    unit = given or (u if fine else lcm)
-    if not fine and unit % lcm:
-        raise InvalidLayout(
-            f"hit_alignment_tokens {unit} is not a multiple of every group's span (their least common multiple is "
-            f"{lcm}): without fine-grained hits a hit must end on a block boundary of every group"
-        )
-    if unit > MAX_TOKENS:
-        raise InvalidLayout(
-            f"hits would be aligned to {unit} tokens (the spans' least common multiple), past {MAX_TOKENS}"
-        )
-    return fine, unit

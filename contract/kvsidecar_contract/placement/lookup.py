@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvsidecar_contract.placement.errors import InvalidRequest
-from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, first_needed_block
+from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry
 from kvsidecar_contract.placement.keys import hash_suffixes
+from kvsidecar_contract.placement.spans import first_needed_block
 
 MAX_PROBE_KEYS = 2_000_000  # one lookup's keys: a 1M-token prompt at U=16 and T=8 with three groups is ~1.1M
 

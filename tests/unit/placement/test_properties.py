@@ -1,6 +1,6 @@
 """Hypothesis properties of the placement core, against independent models.
 
-- the byte-identity oracle (tests/support/oracle.py): who holds identical bytes;
+- the byte-identity oracle (kvsidecar/testing/oracle.py): who holds identical bytes;
 - a brute-force reading of rule 8 (below): which lengths a stored set can serve.
 """
 
@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvsidecar.testing.oracle import group_bytes
 from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
@@ -24,9 +25,8 @@ from kvsidecar_contract.placement import (
     load_plan,
     lookup_plan,
     save_plan,
-    saved_boundaries,
+    save_spans,
 )
-from support.oracle import group_bytes
 from support.ranks import all_ranks
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,8 +107,8 @@ def brute_serves(geo: Geometry, g: int, row: list[bool], length: int) -> bool:
         start, end = k * s, (k + 1) * s
         if start >= length:
             break
-        if window is not None and end <= length - window + 1:
-            continue  # outside the window: the next token attends to the last W - 1 tokens only
+        if window is not None and end <= length - max(window, 2) + 1:
+            continue  # outside the window: the next token attends to the last W - 1 tokens only (at least one)
         if end <= length:
             if not stored(end):
                 return False
@@ -238,7 +238,8 @@ def write_volume(layout: Layout, num_tokens: int) -> float:
         writes += len(save_plan(geo, hashes, ids, num_tokens).chunks)
         for g, group in enumerate(geo.groups):
             identity = group_bytes(layout, layout.groups[g], r, c, p)
-            held |= {(g, identity, b) for _, b in saved_boundaries(geo, group, num_tokens)}
+            spans = save_spans(group.spec, group.span, layout.hash_block_size, group.fine, num_tokens)
+            held |= {(g, identity, b) for _, b in spans}
     return writes / len(held)
 
 
