@@ -27,7 +27,14 @@ from kvsidecar_client.vllm.metadata import KVSidecarMetadata
 from kvsidecar_client.vllm.plan import shape_of
 from kvsidecar_client.vllm.scheduler import SchedulerSide
 from kvsidecar_client.vllm.settings import DEFAULT_WAIT_SLACK, ConnectorSettings
-from kvsidecar_client.vllm.specs import engine_groups, hash_block_size, hash_bytes, layout_of_this_rank, parallel_layout
+from kvsidecar_client.vllm.specs import (
+    engine_groups,
+    hash_block_size,
+    hash_bytes,
+    hit_alignment,
+    layout_of_this_rank,
+    parallel_layout,
+)
 from kvsidecar_client.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -47,6 +54,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         groups = engine_groups(kv_cache_config)
         unit = hash_block_size(kv_cache_config, vllm_config)
+        alignment, fine_grained = hit_alignment(kv_cache_config, vllm_config)
         model_config = vllm_config.model_config
         scheduler = role == KVConnectorRole.SCHEDULER
         parallel = vllm_config.parallel_config
@@ -61,6 +69,8 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             role="scheduler" if scheduler else "rank",
             hash_bytes=hash_bytes(vllm_config.cache_config.prefix_caching_hash_algo),
             deadlines=settings.deadlines,
+            hit_alignment_tokens=alignment,
+            fine_grained_hits=fine_grained,
         )
         if transfer.is_kv_consumer and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
