@@ -25,6 +25,7 @@ PUBLIC = [
     "SessionInfo",
     "SessionLost",
     "SessionSpec",
+    "SharedMemoryFull",
     "SidecarClient",
     "SidecarError",
     "TcpAuth",
@@ -40,7 +41,7 @@ def test_all_is_pinned_and_sorted():
 
 def test_every_public_name_is_exported_and_defined_in_the_package():
     public = {name for name in dir(kvsidecar_client) if not name.startswith("_")}
-    modules = {"client", "deadlines", "errors", "jobs", "layout", "memory", "proto", "results", "session"}
+    modules = {"allocation", "client", "deadlines", "errors", "jobs", "layout", "memory", "proto", "results", "session"}
     assert public - modules == set(PUBLIC)
     for name in PUBLIC:
         member = getattr(kvsidecar_client, name)
