@@ -4,9 +4,17 @@ For each tiny model one vLLM CPU engine and one daemon: a cold pass (the connect
 reset and the whole KV cache overwritten with garbage (so a warm answer can only come from what the load writes),
 a warm pass (greedy ids equal, the daemon counts the hit tokens and the loaded blocks, one lookup per request),
 then the same warm pass with noise over every loaded block, whose outputs must change: the check sees wrong bytes.
+
+The Mamba2 hybrid also runs with tensor parallelism 2 on CPU (seed 000's scenario: each rank holds its own half of
+the Mamba heads, so each rank must get its own state back). vLLM CPU binds one OpenMP thread set per rank; with
+one NUMA node it must be told which CPUs (VLLM_CPU_OMP_THREADS_BIND), else it refuses to start ("Not enough
+allowed NUMA nodes to bind threads of 2 local CPUWorkers").
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import pytest
 
@@ -26,12 +34,30 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_warm_equals_cold_with_the_kv_from_the_store(name, model_root, daemon, tmp_path):
+CASES: dict[str, tuple[str, int]] = {name: (name, 1) for name in MODELS}
+CASES["granitemoehybrid-tp2"] = ("granitemoehybrid", 2)
+
+
+def parallel_settings(tp: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """LLM settings for `tp` ranks on CPU: one CPU per rank, bound explicitly (vLLM CPU's auto binding needs a
+    NUMA node per rank)."""
+    if tp == 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        pytest.skip(f"TP={tp} on vLLM CPU binds one CPU per rank; this machine allows {len(cpus)}")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:tp]))
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_warm_equals_cold_with_the_kv_from_the_store(case, model_root, daemon, tmp_path, monkeypatch):
+    name, tp = CASES[case]
     model = MODELS[name]
     batch = prompts(model)
     asked = sum(len(p) for p in batch)
-    engine = Engine.start(model, model.build(model_root), daemon.target, tmp_path)
+    settings = parallel_settings(tp, monkeypatch)
+    engine = Engine.start(model, model.build(model_root), daemon.target, tmp_path, **settings)
     try:
         segments = engine_segments()
         assert segments, "vLLM's CPU KV cache is not in named shared memory"
