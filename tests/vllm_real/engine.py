@@ -94,9 +94,10 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         assert self.llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
 
-    def noise(self, on: bool) -> None:
+    def noise(self, on: bool, *, only_recurrent: bool = False) -> None:
+        """Noise over every loaded block (or only recurrent groups' blocks) from the next load on, or none."""
         if on:
-            self.noise_flag.touch()
+            self.noise_flag.write_text("recurrent" if only_recurrent else "all")
         else:
             self.noise_flag.unlink(missing_ok=True)
 

@@ -3,7 +3,8 @@
 For each tiny model one vLLM CPU engine and one daemon: a cold pass (the connector saves), vLLM's prefix cache
 reset and the whole KV cache overwritten with garbage (so a warm answer can only come from what the load writes),
 a warm pass (greedy ids equal, the daemon counts the hit tokens and the loaded blocks, one lookup per request),
-then the same warm pass with noise over every loaded block, whose outputs must change: the check sees wrong bytes.
+then the same warm pass with noise over every loaded block (and, for hybrids, over the loaded recurrent state
+alone), whose outputs must change: the check sees wrong bytes.
 
 The Mamba2 hybrid also runs with tensor parallelism 2 on CPU (seed 000's scenario: each rank holds its own half of
 the Mamba heads, so each rank must get its own state back). vLLM CPU binds one OpenMP thread set per rank; with
@@ -107,5 +108,13 @@ def test_warm_equals_cold_with_the_kv_from_the_store(case, model_root, daemon, t
         assert delta(after_noise, after_warm, "kvsidecar_lookup_hit_tokens_total") == hit
         changed = sum(a != b for a, b in zip(noisy, cold, strict=True))
         assert changed == len(batch), f"{name}: noise over the loaded blocks changed only {changed} outputs"
+        if model.recurrent:
+            # The recurrent state alone: a wrong Mamba/GDN state must show too, whatever the attention blocks hold.
+            engine.reset_prefix_cache()
+            scribble(segments)
+            engine.noise(True, only_recurrent=True)
+            noisy_state = engine.generate(batch)
+            changed = sum(a != b for a, b in zip(noisy_state, cold, strict=True))
+            assert changed == len(batch), f"{name}: noise over loaded recurrent state changed only {changed} outputs"
     finally:
         engine.close()
