@@ -193,6 +193,31 @@ def test_workload_selectors_match_their_templates(overlay):
         assert _selects(workload["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
 
 
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
+
+
+def test_sidecar_pod_shares_a_memory_backed_dev_shm_big_enough_for_a_kv_cache():
+    # The connector puts a CPU engine's whole KV cache in /dev/shm; the runtime's default /dev/shm is 64 MiB.
+    templates = _pod_templates(rendered(K8S / "overlays" / "sidecar"))
+    (template,) = [t for _, t in templates if "vllm" in {c["name"] for c in _containers(t["spec"])}]
+    spec = template["spec"]
+    mounts = {
+        c["name"]: {m["name"] for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"}
+        for c in _containers(spec)
+    }
+    assert set(mounts) == {"kvsidecar", "vllm"} and len(set().union(*mounts.values())) == 1, mounts
+    (name,) = mounts["vllm"]
+    assert mounts["kvsidecar"] == {name}
+    (volume,) = [v for v in spec["volumes"] if v["name"] == name]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert _quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= 2 * 2**30
+
+
 def _daemon_containers(docs):
     """(pod template, container, effective serve settings, TOML text or None) of each `kvsidecar serve`."""
     configmaps = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "ConfigMap"}

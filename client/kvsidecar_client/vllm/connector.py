@@ -12,6 +12,7 @@ register memory, loads, saves). This class only routes vLLM's calls to the side 
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvsidecar_client.allocation import SharedMemoryAllocation
 from kvsidecar_client.client import SidecarClient
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata
 from kvsidecar_client.vllm.plan import shape_of
@@ -79,6 +81,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 transfer.kv_load_failure_policy,
             )
         self._client = client
+        self._cpu = getattr(vllm_config.device_config, "device_type", "") == "cpu"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         info = client.session_info
@@ -127,6 +130,11 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return meta if isinstance(meta, KVSidecarMetadata) else None
 
     # ---- worker side ----
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """On CPU, vLLM's KV-cache allocation in shared memory the daemon maps (GPU caches use CUDA IPC)."""
+        self._worker_side()
+        return SharedMemoryAllocation() if self._cpu else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)
