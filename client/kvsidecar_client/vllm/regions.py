@@ -3,7 +3,8 @@
 The daemon stores a block's value as its slices of every region of the group, in registration order, so the
 order is part of the stored format: group order (the session's), then the layer order vLLM lists for the group,
 then the parts of one layer (K before V for a split attention cache; a recurrent layer's state tensors in vLLM's
-order). Ranks that hold byte-identical groups must produce byte-identical values, and they do because vLLM gives
+order), then each part's dense pieces (`memory.dense_pieces`: one for vLLM's LBHNC, LBNHC, BLHNC and BLNHC
+views, one per head, in head order, for LHBNC and BHLNC; padding at a page's end is never part of a piece). Ranks that hold byte-identical groups must produce byte-identical values, and they do because vLLM gives
 every rank the same layer names in the same order.
 """
 
