@@ -81,6 +81,7 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
     for name, value, most in (
         ("model", req.engine.model, MAX_MODEL_CHARS),
         ("cache_prefix", req.engine.cache_prefix, MAX_NAME_CHARS),
+        ("value_identity", req.engine.value_identity, MAX_NAME_CHARS),
         ("client_name", req.client_name, MAX_NAME_CHARS),
     ):
         if len(value) > most:
@@ -109,6 +110,7 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
         num_kv_heads=req.num_kv_heads,
         hash_block_size=req.hash_block_size,
         cache_prefix=req.engine.cache_prefix,
+        value_identity=req.engine.value_identity,
     )
     return _ROLES[req.role], layout, req.hash_bytes
 

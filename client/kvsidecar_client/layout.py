@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvsidecar_client.errors import InvalidRequest
-from kvsidecar_contract.limits import MAX_GROUPS
+from kvsidecar_contract.limits import MAX_GROUPS, MAX_NAME_CHARS
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
@@ -133,6 +133,7 @@ class SessionSpec:
     role: str = "rank"
     hash_bytes: int = 32
     client_name: str = ""
+    value_identity: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -144,6 +145,8 @@ class SessionSpec:
             raise InvalidRequest(f"model name must not contain '@': {self.model!r}")
         if "@" in self.cache_prefix:
             raise InvalidRequest(f"cache_prefix must not contain '@': {self.cache_prefix!r}")
+        if len(self.value_identity) > MAX_NAME_CHARS:
+            raise InvalidRequest(f"value_identity is longer than {MAX_NAME_CHARS} characters")
         if self.role not in ROLES:
             raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
         _check_u32("num_kv_heads", self.num_kv_heads, 1)
@@ -169,7 +172,9 @@ class SessionSpec:
     def to_proto(self) -> pb.OpenSessionRequest:
         """The contract's OpenSessionRequest message."""
         return pb.OpenSessionRequest(
-            engine=pb.EngineIdentity(model=self.model, cache_prefix=self.cache_prefix),
+            engine=pb.EngineIdentity(
+                model=self.model, cache_prefix=self.cache_prefix, value_identity=self.value_identity
+            ),
             parallel=self.layout.to_proto(),
             num_kv_heads=self.num_kv_heads,
             hash_block_size=self.hash_block_size,

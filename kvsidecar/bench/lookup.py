@@ -19,7 +19,7 @@ from kvsidecar.bench.progress import Progress
 from kvsidecar.bench.shapes import BLOCK_TOKENS, hashes_for
 from kvsidecar.bench.stats import Samples
 from kvsidecar.store.mooncake_store import prefix_regex
-from kvsidecar_contract.placement import Geometry, Layout, Parallel, compute_hit, lookup_plan, parse_groups
+from kvsidecar_contract.placement import Geometry, Layout, Parallel, compute_hit, key_prefix, lookup_plan, parse_groups
 
 __all__ = ["GROUPS", "LookupPoint", "measure_lookups"]
 
@@ -137,7 +137,7 @@ def measure_lookups(
                         compute_hit(geo, tokens, again.stored([True] * len(again.keys)))
                         point.placement.add(time.perf_counter() - t0)
             points.append(point)
-            removed = raw.remove_by_regex(prefix_regex(f"{_layout(0).model_key}@tp_rank:"), True)
+            removed = raw.remove_by_regex(prefix_regex(key_prefix(_layout(0).model_key, "")), True)
             if removed < 0:
                 raise BenchError(f"removing lookup keys returned {removed}")
             progress.step(f"lookup {tokens} tokens: {point.keys} keys")

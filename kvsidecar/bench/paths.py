@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 from kvsidecar.bench.procs import BenchError, DaemonProcess, RealClientProcess, native_output_to
 from kvsidecar.bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, Request
 from kvsidecar.store.mooncake_store import prefix_regex
-from kvsidecar_contract.placement import Geometry
+from kvsidecar_contract.placement import Geometry, key_prefix
 
 __all__ = ["DaemonPath", "DataPath", "InProcessPath", "MemcpyPath", "RealClientPath", "Timing", "model_name"]
 
@@ -176,7 +176,7 @@ class _MooncakeBatchPath:
     def begin(self, shape: ModelShape, memory: EngineMemory) -> None:
         layout = shape.layout(model_name(shape))
         self._geo = Geometry.of(layout)
-        self._prefix = f"{layout.model_key}@tp_rank:"
+        self._prefix = key_prefix(layout.model_key, "")
         self.memory = self._memory_for(shape, memory)
 
     def save(self, request: Request, *, fresh: bool = False) -> Timing:

@@ -20,7 +20,7 @@ from kvsidecar.bench.progress import Progress
 from kvsidecar.bench.shapes import BLOCK_TOKENS, GQA, MLA, EngineMemory, ModelShape, Request
 from kvsidecar.store.mooncake_store import prefix_regex
 from kvsidecar_contract.placement import Geometry
-from kvsidecar_contract.placement.keys import block_key, namespace_prefix
+from kvsidecar_contract.placement.keys import block_key, key_prefix, namespace_prefix
 
 __all__ = ["CASES", "VolumeResult", "master_allocated_bytes", "measure_volume"]
 
@@ -158,7 +158,7 @@ def _naive_saves(
             total += len(todo) * shape.value_bytes
         written.append(total)
     stored = allocated() - before
-    store.remove_by_regex(prefix_regex(f"{model_key}@tp_rank:"), True)
+    store.remove_by_regex(prefix_regex(key_prefix(model_key, "")), True)
     return _Counts(written[0], stored, written[1])
 
 

@@ -14,13 +14,21 @@ from kvsidecar_contract.placement.chunks import (
 )
 from kvsidecar_contract.placement.errors import InvalidLayout, InvalidRequest, PlacementError
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
-from kvsidecar_contract.placement.keys import KEY_TAIL_PATTERN, block_key, namespace_prefix
+from kvsidecar_contract.placement.keys import (
+    KEY_TAIL_PATTERN,
+    VALUE_FORMAT,
+    block_key,
+    key_prefix,
+    namespace_prefix,
+    value_id,
+)
 from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, parse_group, parse_groups
 from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
 
 __all__ = [
     "KEY_TAIL_PATTERN",
     "NO_BLOCK",
+    "VALUE_FORMAT",
     "Chunk",
     "Geometry",
     "GroupGeometry",
@@ -37,6 +45,7 @@ __all__ = [
     "block_key",
     "check_hit",
     "compute_hit",
+    "key_prefix",
     "load_plan",
     "lookup_plan",
     "namespace_prefix",
@@ -46,5 +55,6 @@ __all__ = [
     "save_plan",
     "saved_boundaries",
     "span",
+    "value_id",
     "writes_chunk",
 ]

@@ -57,7 +57,7 @@ def test_store_down_during_lookup_is_a_degraded_miss(daemon, store, rank):
 
 def test_unknown_probe_results_are_misses(store, rank):
     rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)
-    mamba_key = next(k for k in store.keys() if "@group:1@" in k and k.endswith(H[3].hex()))
+    mamba_key = next(k for k in store.keys() if ".g1@" in k and k.endswith(H[3].hex()))
     store.fail_keys(StoreCode.RPC_TIMEOUT, [mamba_key], ["exists"])
     assert rank.lookup(H[:4], 65).hit_tokens == 48
 
@@ -103,7 +103,7 @@ def test_whole_put_failure_fails_every_block(store, rank):
 def test_failed_gets_name_exactly_their_blocks_and_nothing_else_is_touched(daemon, store, rank):
     rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)
     hit = rank.lookup(H[:4], 65)
-    broken = next(k for k in store.keys() if "@group:0@" in k and k.endswith(H[1].hex()))
+    broken = next(k for k in store.keys() if ".g0@" in k and k.endswith(H[1].hex()))
     store.fail_keys(StoreCode.TRANSFER_FAILED, [broken], ["get"])
     for b in range(4, 8):
         rank.fill_block(0, b, b"\xee" * BLOCK)
