@@ -4,10 +4,14 @@ The caches are vLLM's own: its planner (`get_kv_cache_groups`, `get_kv_cache_con
 (`allocate_kv_cache`) for each `KVCacheLayout`, with the one backing buffer in shared memory. The connector
 registers them as vLLM would hand them over, saves some blocks, loads them into other blocks, and every byte of the
 target blocks must equal the source's while no byte outside them (padding, other layers, other blocks) changes.
+
+KVSIDECAR_TEST_DEVICE=cuda runs the same on a GPU: vLLM allocates on CUDA and the client shares the tensors over
+CUDA IPC (scripts/gpu/20-layouts.sh).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -35,6 +39,7 @@ from kvsidecar_client.vllm.specs import engine_groups
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
+DEVICE = os.environ.get("KVSIDECAR_TEST_DEVICE", "cpu")
 F16 = torch.float16
 NUM_BLOCKS = 64
 HASHES = tuple(bytes([i]) * 32 for i in range(1, 5))  # four blocks of 16 tokens
@@ -97,10 +102,14 @@ def test_every_vllm_layout_round_trips_byte_for_byte(vllm_env, tiny_model, daemo
         kv = plan(config, specs, layout, NUM_BLOCKS)
     except (ValueError, AssertionError) as refused:
         pytest.skip(f"vLLM 0.33 itself cannot allocate {name} as {layout.name}: {refused}")
-    caches = allocate(kv, layout)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("KVSIDECAR_TEST_DEVICE=cuda but torch sees no GPU")
+    caches = allocate(kv, layout, DEVICE)
     buffer = next(iter(caches.values()))
+    assert buffer.device.type == DEVICE
     backing = torch.as_strided(_byte_view(buffer), (buffer.untyped_storage().nbytes(),), (1,), 0)
-    backing.copy_(torch.randint(0, 256, backing.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8))
+    noise = torch.randint(0, 256, backing.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    backing.copy_(noise.to(backing.device))
     groups = engine_groups(kv)
     # A block id belongs to one group at a time in vLLM (groups overlay one buffer): each group its own ids.
     source = tuple(tuple(range(4 + 8 * g, 8 + 8 * g)) for g in range(len(groups.specs)))

@@ -122,3 +122,11 @@ def test_a_reset_matches_exactly_its_own_keys():
     # The cache prefix is its own field even when empty: no tenant's prefix can stand for another's model.
     assert not own.startswith(key_prefix(BASE.model_key, "t"))
     assert not tail.fullmatch("s0.c0.d0.p0.g0@" + H00.hex() + "@tp_rank:0")
+
+
+def test_another_value_format_changes_every_value_id(monkeypatch):
+    from kvsidecar_contract.placement import keys
+
+    before = BASE.value_id
+    monkeypatch.setattr(keys, "VALUE_FORMAT", keys.VALUE_FORMAT + 1)
+    assert BASE.value_id != before
