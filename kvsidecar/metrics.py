@@ -68,3 +68,12 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+
+    def totals(self) -> dict[str, float]:
+        """Every unlabelled counter's total, by sample name (for Stats)."""
+        return {
+            s.name: s.value
+            for metric in self.registry.collect()
+            for s in metric.samples
+            if s.name.endswith("_total") and not s.labels
+        }

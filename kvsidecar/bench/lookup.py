@@ -137,7 +137,7 @@ def measure_lookups(
                         compute_hit(geo, tokens, again.stored([True] * len(again.keys)))
                         point.placement.add(time.perf_counter() - t0)
             points.append(point)
-            removed = raw.remove_by_regex(prefix_regex(key_prefix(_layout(0).model_key, "")), True)
+            removed = raw.remove_by_regex(prefix_regex(key_prefix(_layout(0).model, "")), True)
             if removed < 0:
                 raise BenchError(f"removing lookup keys returned {removed}")
             progress.step(f"lookup {tokens} tokens: {point.keys} keys")

@@ -176,7 +176,7 @@ class _MooncakeBatchPath:
     def begin(self, shape: ModelShape, memory: EngineMemory) -> None:
         layout = shape.layout(model_name(shape))
         self._geo = Geometry.of(layout)
-        self._prefix = key_prefix(layout.model_key, "")
+        self._prefix = key_prefix(layout.model, "")
         self.memory = self._memory_for(shape, memory)
 
     def save(self, request: Request, *, fresh: bool = False) -> Timing:

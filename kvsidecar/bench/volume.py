@@ -158,7 +158,7 @@ def _naive_saves(
             total += len(todo) * shape.value_bytes
         written.append(total)
     stored = allocated() - before
-    store.remove_by_regex(prefix_regex(key_prefix(model_key, "")), True)
+    store.remove_by_regex(prefix_regex(key_prefix(ranks[0][1].layout.model, "")), True)
     return _Counts(written[0], stored, written[1])
 
 

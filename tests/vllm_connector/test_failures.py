@@ -15,8 +15,6 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/se
 from sidecar_daemon import Daemon
 from sidecar_engine import BLOCK, LAYOUTS, Engine, kv_cache_config, vllm_config
 
-from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
-
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 PROMPT = [(i * 53 + 5) % 1000 for i in range(80)]
@@ -42,13 +40,9 @@ def save_prompt(model, target, prefix, layout):
 def key(warm: Engine, group: int, block_hash: bytes) -> str:
     """The exact key the worker's session saved a block under (PLACEMENT.md rule 3, TP=PP=PCP=DCP=1)."""
     spec = warm.worker.client.spec
-    groups = tuple(
-        GroupSpec(Kind(g.kind), g.block_size, g.window, tuple(Kind(k) for k in g.inner)) for g in spec.groups
-    )
-    layout = Layout(
-        spec.model, groups, Parallel(), spec.num_kv_heads, spec.hash_block_size, spec.cache_prefix, spec.value_identity
-    )
-    return f"kvs1@{spec.cache_prefix}@tiny-llama~{layout.value_id}@s0.c0.d0.p0.g{group}@{block_hash.hex()}"
+    layout = spec.to_placement()
+    assert layout.model_key.startswith("tiny-llama~")
+    return f"kvs1@{spec.cache_prefix}@{layout.model_key}@s0.c0.d0.p0.g{group}@{block_hash.hex()}"
 
 
 def first_compute(warm: Engine, req_id: str):

@@ -94,5 +94,5 @@ def test_our_reset_never_sweeps_an_intree_key():
     theirs = intree_keys()
     for model, prefix in itertools.product(["tiny-llama", "m", "kvs1"], ["", "t", "kvs1"]):
         layout = Layout(model, (GroupSpec(Kind.FULL_ATTENTION, 16),), cache_prefix=prefix)
-        reset = re.compile(re.escape(key_prefix(layout.model_key, prefix)) + f"(?:{KEY_TAIL_PATTERN})")
+        reset = re.compile(re.escape(key_prefix(layout.model, prefix)) + f"(?:{KEY_TAIL_PATTERN})")
         assert not any(reset.fullmatch(key) for key in theirs)

@@ -26,6 +26,7 @@ __all__ = [
     "block_key",
     "hash_suffixes",
     "key_prefix",
+    "model_key",
     "namespace_prefix",
     "value_id",
 ]
@@ -37,9 +38,9 @@ FORMAT_TAG = f"kvs{VALUE_FORMAT}"
 VALUE_ID_CHARS = 24  # hex digits of the value id (96 bits)
 
 # Everything after key_prefix(model, cache_prefix) in a key, as a regular expression (the same in Python and in
-# Mooncake's ECMAScript flavour): what a reset of one model must match exactly, so a model named like another
-# tenant's key can never be swept along with it.
-KEY_TAIL_PATTERN = r"s[0-9]+\.c[0-9]+\.d[0-9]+\.p[0-9]+\.g[0-9]+@[0-9a-f]+"
+# Mooncake's ECMAScript flavour): what a reset of one model must match exactly, so a model whose name continues
+# this one's ("a~b" after "a") can never be swept along with it. Every value id of the model matches.
+KEY_TAIL_PATTERN = rf"[0-9a-f]{{{VALUE_ID_CHARS}}}@s[0-9]+\.c[0-9]+\.d[0-9]+\.p[0-9]+\.g[0-9]+@[0-9a-f]+"
 
 
 def value_id(identity: str, session: Mapping[str, object]) -> str:
@@ -48,16 +49,27 @@ def value_id(identity: str, session: Mapping[str, object]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:VALUE_ID_CHARS]
 
 
+def model_key(model: str) -> str:
+    """The model's name in keys: the last path component of its name (a model key is its own model key)."""
+    return model.rstrip("/").split("/")[-1]
+
+
 def key_prefix(model: str, cache_prefix: str) -> str:
-    """The start of every key of one model (its `model_key`, value id included) under one cache prefix."""
-    return f"{FORMAT_TAG}@{cache_prefix}@{model}@"
+    """`kvs1@<cache_prefix>@<model key>~`: the start of every key of one model, any value id, under one prefix."""
+    return f"{FORMAT_TAG}@{cache_prefix}@{model_key(model)}~"
 
 
 def namespace_prefix(
     model_key: str, cache_prefix: str, shard: int, pcp_rank: int, dcp_rank: int, pp_rank: int, group: int
 ) -> str:
-    """The key prefix of one namespace: everything before `@<hash_hex>`."""
-    return f"{key_prefix(model_key, cache_prefix)}s{shard}.c{pcp_rank}.d{dcp_rank}.p{pp_rank}.g{group}"
+    """The key prefix of one namespace: everything before `@<hash_hex>`.
+
+    `model_key` is a Layout's: `<model key>~<value id>` (the id is hex, so the last '~' splits them).
+    """
+    name, sep, vid = model_key.rpartition("~")
+    if not sep or not vid:
+        raise ValueError(f"a namespace needs a model key with its value id (`name~id`), got {model_key!r}")
+    return f"{key_prefix(name, cache_prefix)}{vid}@s{shard}.c{pcp_rank}.d{dcp_rank}.p{pp_rank}.g{group}"
 
 
 def block_key(prefix: str, block_hash: bytes) -> str:

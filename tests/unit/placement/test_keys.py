@@ -36,8 +36,28 @@ H_AB = bytes.fromhex("ab" * 31 + "0f")
     ],
 )
 def test_namespace_prefix_fields(args, expected):
+    with pytest.raises(ValueError, match="value id"):
+        namespace_prefix("Model", "", 0, 0, 0, 0, 0)
     assert namespace_prefix(*args) == expected
-    assert expected.startswith(key_prefix(args[0], args[1]))
+    assert expected.startswith(key_prefix(args[0].rpartition("~")[0], args[1]))
+
+
+@pytest.mark.parametrize(
+    ("model", "cache_prefix", "expected"),
+    [
+        ("Model", "", "kvs1@@Model~"),
+        ("org/Model/", "", "kvs1@@Model~"),  # a model name or its key: the key field is the last path component
+        ("Model", "tenant-a", "kvs1@tenant-a@Model~"),
+        ("deepseek-ai/DeepSeek-V3", "salt:x/y", "kvs1@salt:x/y@DeepSeek-V3~"),
+    ],
+)
+def test_key_prefix_starts_every_key_of_a_model(model, cache_prefix, expected):
+    assert key_prefix(model, cache_prefix) == expected
+    layout = Layout(model, (GroupSpec(Kind.FULL_ATTENTION, 16),), Parallel(tp_size=2), 2, cache_prefix=cache_prefix)
+    for rank in range(2):
+        geo = Geometry.of(layout.for_rank(rank))
+        prefixes = [g.prefix for g in geo.groups] + [p for g in geo.groups for p in g.lookup_prefixes]
+        assert all(p.startswith(expected) for p in prefixes)
 
 
 def test_block_key_is_lowercase_hex_of_the_hash():
@@ -107,7 +127,7 @@ BASE = Layout("org/M", (GroupSpec(Kind.FULL_ATTENTION, 16),), Parallel(tp_size=2
 )
 def test_what_shapes_a_value_changes_the_value_id(other):
     assert other.value_id != BASE.value_id
-    assert key_prefix(other.model_key, "") != key_prefix(BASE.model_key, "")
+    assert other.model_key != BASE.model_key
 
 
 def test_ranks_of_one_engine_share_the_value_id():
@@ -117,11 +137,13 @@ def test_ranks_of_one_engine_share_the_value_id():
 def test_a_reset_matches_exactly_its_own_keys():
     tail = re.compile(KEY_TAIL_PATTERN)
     own = Geometry.of(BASE).groups[0].prefix + "@" + H00.hex()
-    head = key_prefix(BASE.model_key, "")
+    head = key_prefix(BASE.model, "")
     assert own.startswith(head) and tail.fullmatch(own, len(head))
     # The cache prefix is its own field even when empty: no tenant's prefix can stand for another's model.
-    assert not own.startswith(key_prefix(BASE.model_key, "t"))
-    assert not tail.fullmatch("s0.c0.d0.p0.g0@" + H00.hex() + "@tp_rank:0")
+    assert not own.startswith(key_prefix(BASE.model, "t"))
+    # A model whose name continues this one's ("M~x" after "M") starts alike but never has the tail's shape.
+    other = Geometry.of(Layout(f"org/M~{BASE.value_id}", BASE.groups, BASE.parallel, 2)).groups[0].prefix
+    assert other.startswith(head) and not tail.fullmatch(other + "@" + H00.hex(), len(head))
 
 
 def test_another_value_format_changes_every_value_id(monkeypatch):
