@@ -49,13 +49,27 @@ def weights_sample(path: str) -> str | None:
     return digest.hexdigest() if found else None
 
 
+def _config_of(model_config: Any) -> dict[str, Any]:
+    # The checkpoint's config.json where there is one: every process reads the same file, while the loaded
+    # hf_config of a worker may have been adjusted by model loading after the scheduler took its copy.
+    path = os.path.join(str(model_config.model), "config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as file:
+            loaded = json.load(file)
+        config = loaded if isinstance(loaded, dict) else {"config": loaded}
+    else:
+        hf: Any = getattr(model_config, "hf_config", None)
+        config = hf.to_dict() if hasattr(hf, "to_dict") else {}
+    return {k: v for k, v in config.items() if k not in _NAMING_FIELDS}
+
+
 def model_fingerprint(model_config: Any) -> dict[str, Any]:
     """What the model computes: its architecture config, dtype, quantization, and its weights or revision."""
-    hf = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else {}
-    config = {k: v for k, v in hf.items() if k not in _NAMING_FIELDS}
+    config = _config_of(model_config)
     weights = weights_sample(str(model_config.model))
     return {
         "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "hf_overrides": repr(getattr(model_config, "hf_overrides", None)),
         "dtype": str(model_config.dtype),
         "quantization": str(getattr(model_config, "quantization", None)),
         # A local checkpoint is sampled; a hub name is only as exact as its pinned revision (docs/values.md).
