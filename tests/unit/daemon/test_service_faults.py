@@ -124,8 +124,11 @@ def test_failed_gets_name_exactly_their_blocks_and_nothing_else_is_touched(daemo
 def test_a_value_of_the_wrong_size_is_a_failure_not_bytes(tmp_path, store, daemon, rank):
     rank.save(H[:1], [[0], [0]], 16)
     hit = rank.lookup(H[:1], 17)
+    # Another daemon on the same store (one daemon refuses a second shape under a live namespace itself).
+    (tmp_path / "elsewhere").mkdir()
+    elsewhere = InProcessDaemon(tmp_path / "elsewhere", store).start()
     other = RawRank(
-        daemon.target, open_request([group("full_attention", 16), group("mamba", 16)]), block_bytes=BLOCK // 2
+        elsewhere.target, open_request([group("full_attention", 16), group("mamba", 16)]), block_bytes=BLOCK // 2
     )
     try:
         other.register()
@@ -134,6 +137,7 @@ def test_a_value_of_the_wrong_size_is_a_failure_not_bytes(tmp_path, store, daemo
         assert out.loaded == 0
     finally:
         other.close()
+        elsewhere.stop()
 
 
 def test_concurrent_save_race_reported_as_written(store, rank):
