@@ -7,7 +7,7 @@
 # Needs, on the GPU machine (nothing is installed here: the machine may have no network):
 #   VLLM_PY   a python with vLLM 0.33 built for CUDA and its CUDA torch (default: .venv-vllm-cuda/bin/python)
 #   .venv     the daemon's venv (scripts/setup.sh) whose torch sees the GPU: the daemon opens the CUDA IPC handles
-# Output: the pytest log on stdout and in ${OUT:-/tmp}/20-layouts.log.
+# Output: the pytest log on stdout and in ${OUT:-/tmp}/20-layouts.log; LAYOUTS_TIMEOUT_S caps pytest (default 540 s).
 # Exit: 0 passed; 77 skipped, with the reason (no GPU, no CUDA vLLM 0.33, no CUDA daemon venv); else failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,6 +28,6 @@ esac
 
 echo "20-layouts: vLLM $version, $(nvidia-smi -L | head -1)"
 PYTHONPATH="$PWD/contract:$PWD/client" KVSIDECAR_TEST_DEVICE=cuda KVSIDECAR_BIN="$PWD/.venv/bin/kvsidecar" \
-  PYTHONUNBUFFERED=1 timeout 900 "$VLLM_PY" -m pytest tests/vllm_connector/test_layouts.py -q -rs -p no:cacheprovider "$@" \
+  PYTHONUNBUFFERED=1 timeout "${LAYOUTS_TIMEOUT_S:-540}" "$VLLM_PY" -m pytest tests/vllm_connector/test_layouts.py -q -rs -p no:cacheprovider "$@" \
   2>&1 | tee "$LOG"
 exit "${PIPESTATUS[0]}"
