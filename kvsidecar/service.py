@@ -59,6 +59,8 @@ class SidecarService(pb_grpc.SidecarServicer):
         self._data_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data")
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvsidecar-lookup")
         self._stopping = False
+        # The daemon's listeners and the packets each refused (set by the daemon's fence; none in tests).
+        self.listener_report: Callable[[], list[tuple[Any, int]]] = list
 
     def stop_accepting(self) -> None:
         """New requests are answered UNAVAILABLE from now on."""
@@ -186,7 +188,7 @@ class SidecarService(pb_grpc.SidecarServicer):
                 # A tenant sees its own sessions and counters only: others' traffic says what they serve.
                 summaries = [s for s in summaries if s.tenant in mine]
                 counters = self.metrics.tenant_totals(mine)
-            return wire.stats_response(
+            response = wire.stats_response(
                 uptime,
                 self.health,
                 self.master_address,
@@ -195,6 +197,11 @@ class SidecarService(pb_grpc.SidecarServicer):
                 table.describe(),
                 ",".join(sorted(mine)),
             )
+            response.listeners.extend(
+                pb.ListenerInfo(role=item.role, address=item.address, allowed=item.allowed, dropped_packets=drops)
+                for item, drops in self.listener_report()
+            )
+            return response
 
         return await self._call(context, "Stats", self._lookup_pool, run, request)
 

@@ -10,7 +10,7 @@ Pure: parsing a TOML text and matching credentials; reading the file and reloadi
     prefixes = ["team-a", "team-a/*"]  # cache prefixes it may open sessions under ('*' only at the end)
     models = ["org/*"]                 # optional: the models it may open sessions for (default: any)
     admin = false                      # Stats shows every tenant
-    shm_names = false                  # may register /dev/shm names (trusted ranks only; see docs/security-tenants.md)
+    shm_names = false                  # may register /dev/shm names (trusted ranks only; see docs/security.md)
     write_bytes_per_second = "64MiB"   # optional write budget, with a burst
     write_burst_bytes = "256MiB"
 """
