@@ -32,10 +32,30 @@ def kv_transfer_config(socket: str, prefix: str, *, connector: str = "NoisyLoads
 
 
 def engine_segments() -> list[Path]:
-    """The shared-memory segments (KV caches) of this process's vLLM engine processes."""
+    """The shared memory (KV caches) of this process's vLLM engine processes: named segments or sealed memfds."""
     pids = {str(p.pid) for p in psutil.Process().children(recursive=True)}
     # shared_tensor names segments kvsidecar-<pid>-<n>-<random>.
-    return [Path(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith("kvsidecar-") and n.split("-")[1] in pids]
+    found = [Path(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith("kvsidecar-") and n.split("-")[1] in pids]
+    # Its sealed memfds (the default) have no name: they are reached through the engine process's descriptors,
+    # /proc/<pid>/fd/<n> -> "/memfd:kvsidecar-<pid> (deleted)", one per cache however many fds point at it.
+    seen = set()
+    for pid in sorted(pids):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            path = Path(f"/proc/{pid}/fd/{fd}")
+            try:
+                if not os.readlink(path).startswith("/memfd:kvsidecar-"):
+                    continue
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                found.append(path)
+    return found
 
 
 def scribble(segments: Sequence[Path]) -> int:

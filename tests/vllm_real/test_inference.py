@@ -75,7 +75,7 @@ def test_warm_equals_cold_with_the_kv_from_the_store(case, model_root, daemon, t
     engine = Engine.start(model, model.build(model_root), daemon.target, tmp_path, **settings)
     try:
         segments = engine_segments()
-        assert segments, "vLLM's CPU KV cache is not in named shared memory"
+        assert segments, "vLLM's CPU KV cache is not in shared memory the daemon maps"
 
         start = counters(daemon)
         cold = engine.generate(batch)
