@@ -18,6 +18,7 @@ from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import Session
 from kvsidecar.store import Presence, Store, StoreCode, StoreError
+from kvsidecar.tiers import count_tier_hits
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
     NO_BLOCK,
@@ -94,10 +95,18 @@ class NoSpaceBackoff:
 class DataPath:
     """Runs each request's plan with one batch call per step, and counts everything for operators."""
 
-    def __init__(self, store: Store, metrics: Metrics, backoff: NoSpaceBackoff | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        backoff: NoSpaceBackoff | None = None,
+        tiers: Callable[[Sequence[str]], list[str]] | None = None,
+    ) -> None:
+        """tiers, given, says where each key is before a load (the disk tier's hit metrics)."""
         self.store = store
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
+        self.tiers = tiers
 
     def save(
         self,
@@ -222,6 +231,7 @@ class DataPath:
             return LoadOutcome(0, 0, tuple(Failure(c.group, c.block_id, "no_block") for c in nowhere))
         with _holding(memory):
             buffers = [memory.buffers(c.group, c.block_id) for c in chunks]
+            where = self._where([c.key for c in chunks])
             try:
                 with self._timed("get"):
                     codes = self.store.get_into(
@@ -246,7 +256,20 @@ class DataPath:
             if loaded_per_group[g]:
                 self.metrics.loaded_blocks.labels(kind).inc(loaded_per_group[g])
         self.metrics.loaded_bytes.inc(nbytes)
+        if where is not None:
+            ok = [i for i, code in enumerate(codes) if code is StoreCode.OK]
+            count_tier_hits(self.metrics, [where[i] for i in ok], [memory.value_bytes[chunks[i].group] for i in ok])
         return LoadOutcome(loaded, nbytes, tuple(failures))
+
+    def _where(self, keys: list[str]) -> list[str] | None:
+        if self.tiers is None:
+            return None
+        try:
+            with self._timed("tiers"):
+                return self.tiers(keys)
+        except StoreError as exc:
+            self.metrics.store_errors.labels("tiers", exc.code.value).inc()
+            return None
 
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""

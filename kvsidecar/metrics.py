@@ -68,3 +68,26 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        # Tiers (memory and, with --ssd-dir, disk); without a disk tier these stay empty.
+        self.tier_hits = Counter(
+            "kvsidecar_tier_hits", "Blocks loaded, by the tier that held them (memory, disk).", ["tier"], registry=r
+        )
+        self.tier_hit_bytes = Counter(
+            "kvsidecar_tier_hit_bytes", "Bytes loaded, by the tier that held them.", ["tier"], registry=r
+        )
+        self.tier_blocks = Gauge("kvsidecar_tier_blocks", "Blocks each tier of this node holds.", ["tier"], registry=r)
+        self.tier_bytes = Gauge("kvsidecar_tier_bytes", "Bytes each tier of this node holds.", ["tier"], registry=r)
+        self.tier_capacity_bytes = Gauge(
+            "kvsidecar_tier_capacity_bytes", "Bytes each tier of this node may hold.", ["tier"], registry=r
+        )
+        self.disk_filesystem_free_bytes = Gauge(
+            "kvsidecar_disk_tier_filesystem_free_bytes",
+            "Free bytes of the filesystem holding --ssd-dir.",
+            registry=r,
+        )
+        self.disk_recovered_blocks = Counter(
+            "kvsidecar_disk_tier_recovered_blocks", "Disk-tier blocks found again at start.", registry=r
+        )
+        self.disk_recovered_bytes = Counter(
+            "kvsidecar_disk_tier_recovered_bytes", "Disk-tier bytes found again at start.", registry=r
+        )

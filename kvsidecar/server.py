@@ -22,6 +22,7 @@ from kvsidecar import __version__, notify, wire
 from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.config import Config, parse_address
 from kvsidecar.datapath import DataPath
+from kvsidecar.disk_tier import DiskTier
 from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
 from kvsidecar.session import SessionRegistry
@@ -128,6 +129,7 @@ class Daemon:
         self._health: health_aio.HealthServicer | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self.service: SidecarService | None = None
+        self.disk_tier: DiskTier | None = None
 
     async def start(self) -> None:
         """Start everything; on failure, stop what was started and raise DaemonError."""
@@ -142,9 +144,15 @@ class Daemon:
         loop = asyncio.get_running_loop()
         claim_socket(cfg.socket)  # fail before starting a master if another daemon owns the socket
         if self._store is None:
+            if cfg.ssd_dir:
+                self.disk_tier = DiskTier(cfg, self.metrics)
             if not cfg.master:
                 self._start_master()
+            elif self.disk_tier is not None:
+                await self.disk_tier.wait_for_master_to_forget()
             self._store = await loop.run_in_executor(None, self._open_store)
+            if self.disk_tier is not None:
+                await loop.run_in_executor(None, self.disk_tier.report_recovery, self._store, self.master)
         store = self._store
         host, port = parse_address(cfg.metrics_address)
         try:
@@ -154,7 +162,7 @@ class Daemon:
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
         sessions = SessionRegistry(cfg.session_ttl, release=lambda s: self._release(s))
         self.service = SidecarService(
-            DataPath(store, self.metrics),
+            DataPath(store, self.metrics, tiers=self.disk_tier.tiers(store) if self.disk_tier else None),
             sessions,
             self.metrics,
             workers=cfg.workers,
@@ -188,6 +196,7 @@ class Daemon:
             binary=self.config.master_binary or None,
             lease_ttl_ms=self.config.master_lease_ttl_ms,
             env=ensure_native_libs(),
+            offload=bool(self.config.ssd_dir),
         )
         self.master.start()
         self.master_address = self.master.address
@@ -214,6 +223,7 @@ class Daemon:
             protocol=cfg.protocol,
             rdma_devices=cfg.rdma_devices,
             replica_num=cfg.replicas,
+            ssd_offload_path=self.disk_tier.environ() if self.disk_tier else "",
         )
         return MooncakeStore.connect(settings)
 
@@ -233,6 +243,8 @@ class Daemon:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             await loop.run_in_executor(None, self.service.sessions.expire)
+            if self.disk_tier is not None:
+                await loop.run_in_executor(None, self.disk_tier.housekeep)
             if self.master is not None and not self.master.alive():
                 self._restart_master()
             await self._check_store()
@@ -271,6 +283,8 @@ class Daemon:
             await loop.run_in_executor(None, self._store.close)
         if self.master is not None:
             await loop.run_in_executor(None, self.master.stop)
+        if self.disk_tier is not None:
+            self.disk_tier.release()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
