@@ -91,3 +91,8 @@ class Metrics:
         self.disk_recovered_bytes = Counter(
             "kvsidecar_disk_tier_recovered_bytes", "Disk-tier bytes found again at start.", registry=r
         )
+        # Both tiers exported from the start (zero without a disk tier), so dashboards and alerts always find them.
+        for tier in ("memory", "disk"):
+            for family in (self.tier_hits, self.tier_hit_bytes, self.tier_blocks, self.tier_bytes):
+                family.labels(tier)
+            self.tier_capacity_bytes.labels(tier)
