@@ -33,11 +33,11 @@ def ssd_daemon(workdir: Path, ssd_dir: Path, *, master: str = "", ttl: float | N
     return DaemonProcess(workdir, master=master, extra=extra)
 
 
-def run_ranks(daemon: DaemonProcess, what: str) -> list[dict]:
+def run_ranks(daemon: DaemonProcess, what: str, prompts: int = PROMPTS) -> list[dict]:
     """Both TP ranks as their own processes, at once; their JSON results."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "support.ssd_rank", daemon.target, str(TP), str(r), str(PROMPTS), what],
+            [sys.executable, "-m", "support.ssd_rank", daemon.target, str(TP), str(r), str(prompts), what],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -134,17 +134,17 @@ def test_external_master_quick_restart_waits_out_the_client_ttl(tmp_path):
     try:
         daemon = ssd_daemon(tmp_path, ssd, master=master.address, ttl=ttl).start()
         try:
-            run_ranks(daemon, "save")
+            run_ranks(daemon, "save", PROMPTS // 2)  # twice the segment: half of it at least on disk
         finally:
             daemon.kill()
         on_disk = inventory(ssd).keys
-        assert on_disk >= 3 * SEGMENT // ssd_rank.BLOCK
+        assert on_disk >= SEGMENT // ssd_rank.BLOCK
         began = time.monotonic()
         daemon = ssd_daemon(tmp_path, ssd, master=master.address, ttl=ttl).start()
         try:
             assert time.monotonic() - began >= ttl, "the restart should have waited out the master's client TTL"
             assert "waiting" in daemon.log() and f"recovered {on_disk} of {on_disk}" in daemon.log(), daemon.log()
-            assert_exact(run_ranks(daemon, "verify"), at_least=TP * PROMPTS // 2)
+            assert_exact(run_ranks(daemon, "verify", PROMPTS // 2), at_least=TP * PROMPTS // 4)
         finally:
             assert daemon.stop() == 0, daemon.log()
     finally:
