@@ -19,7 +19,7 @@ from kvsidecar import wire
 from kvsidecar.bench.lookup import _layout
 from kvsidecar.bench.shapes import GQA, MLA, EngineMemory, Request, hashes_for
 from kvsidecar.datapath import DataPath
-from kvsidecar.memory import SessionMemory
+from kvsidecar.memory import SessionMemory, region_specs
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import Role, SessionRegistry
 from kvsidecar.store import Presence, StoreCode, StoreHealth
@@ -62,7 +62,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    sessions = SessionRegistry(60, release=lambda s: None)
+    sessions = SessionRegistry(60, register=lambda address, size: None, unregister=lambda address: None)
     print("| request | ms (median) |")
     print("| --- | --- |")
     for shape in (MLA, GQA):
@@ -70,7 +70,7 @@ def main() -> None:
             memory = EngineMemory.shared(shape, 2 * n)
             session = sessions.open(Role.RANK, shape.layout("bench/x"), 32, "x")
             regions = describe_regions([(t, (0,)) for t in memory.tensors])
-            session.memory = SessionMemory(wire.region_specs(regions), 1)
+            session.memory = SessionMemory(region_specs(wire.regions(regions)), 1)
             request = Request.of(shape, "overhead", n, n)
             datapath = DataPath(StubStore(False), Metrics())
             ids, tokens = [request.save_ids], request.num_tokens

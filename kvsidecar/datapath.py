@@ -12,60 +12,29 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
 
 from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import Session
 from kvsidecar.store import Presence, Store, StoreCode, StoreError
+from kvsidecar.store.codes import NO_BLOCK_REASON
 from kvsidecar.tiers import count_tier_hits
+from kvsidecar.values import Failure, LoadOutcome, LookupOutcome, SaveOutcome
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
     NO_BLOCK,
     Chunk,
     Hit,
     compute_hit,
+    key_prefix,
     load_plan,
     lookup_plan,
     save_plan,
 )
 
+__all__ = ["DataPath", "Failure", "LoadOutcome", "LookupOutcome", "NoSpaceBackoff", "SaveOutcome"]
+
 log = logging.getLogger(__name__)
-
-
-class Failure(NamedTuple):
-    """A block whose save or load failed, and the store's reason."""
-
-    group: int
-    block_id: int
-    reason: str
-
-
-class SaveOutcome(NamedTuple):
-    """What one save did."""
-
-    written: int
-    skipped: int
-    failures: tuple[Failure, ...]
-    striped_to_others: int
-    bytes_written: int
-    absent: int = 0
-
-
-class LookupOutcome(NamedTuple):
-    """A hit, or a miss because the store could not be asked."""
-
-    hit: Hit
-    degraded: bool
-    detail: str
-
-
-class LoadOutcome(NamedTuple):
-    """What one load did."""
-
-    loaded: int
-    bytes_loaded: int
-    failures: tuple[Failure, ...]
 
 
 class NoSpaceBackoff:
@@ -225,10 +194,10 @@ class DataPath:
         # A span without a block cannot receive its value: the engine recomputes it.
         nowhere = [c for c in planned if c.block_id == NO_BLOCK]
         for c in nowhere:
-            self.metrics.load_failed_blocks.labels(kinds[c.group], "no_block").inc()
+            self.metrics.load_failed_blocks.labels(kinds[c.group], NO_BLOCK_REASON).inc()
         chunks = [c for c in planned if c.block_id != NO_BLOCK]
         if not chunks:
-            return LoadOutcome(0, 0, tuple(Failure(c.group, c.block_id, "no_block") for c in nowhere))
+            return LoadOutcome(0, 0, tuple(Failure(c.group, c.block_id, NO_BLOCK_REASON) for c in nowhere))
         with _holding(memory):
             buffers = [memory.buffers(c.group, c.block_id) for c in chunks]
             where = self._where([c.key for c in chunks])
@@ -242,7 +211,7 @@ class DataPath:
                 codes = [exc.code] * len(chunks)
         loaded = 0
         nbytes = 0
-        failures = [Failure(c.group, c.block_id, "no_block") for c in nowhere]
+        failures = [Failure(c.group, c.block_id, NO_BLOCK_REASON) for c in nowhere]
         loaded_per_group = [0] * len(kinds)
         for chunk, code in zip(chunks, codes, strict=True):
             if code is StoreCode.OK:
@@ -274,11 +243,10 @@ class DataPath:
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""
         layout = session.layout
-        head = f"{layout.cache_prefix}@" if layout.cache_prefix else ""
         # The rest of the key must have exactly the key format's shape: a reset of model "a" without a prefix must
         # not sweep tenant "a"'s model "tp_rank:X" ("a@tp_rank:X@tp_rank:0@...") along.
         with self._timed("remove"):
-            return self.store.remove_prefix(f"{head}{layout.model_key}@", KEY_TAIL_PATTERN)
+            return self.store.remove_prefix(key_prefix(layout.model_key, layout.cache_prefix), KEY_TAIL_PATTERN)
 
     def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
         """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""

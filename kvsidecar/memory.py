@@ -14,9 +14,11 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import partial
+from typing import Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden
+from kvsidecar.values import CudaHandle, RegionRequest, ShmHandle
 from kvsidecar_contract.limits import MAX_REGIONS
 
 SHM_DIR = "/dev/shm"
@@ -69,7 +71,7 @@ class ShmMapping:
         self.address = ctypes.addressof(self._view)
         self.size = size
         self.name = name
-        self.identity = ("shm", st.st_dev, st.st_ino)
+        self.identity: tuple[object, ...] = ("shm", st.st_dev, st.st_ino)
 
     def check(self) -> None:
         """Refuse a segment that shrank since registration: its missing pages would crash the daemon (SIGBUS)."""
@@ -90,7 +92,7 @@ class ShmMapping:
 class CudaIpcMapping:
     """A CUDA allocation of another process, opened through torch's IPC handles."""
 
-    def __init__(self, handle: Any, size: int) -> None:
+    def __init__(self, handle: CudaHandle, size: int) -> None:
         try:
             import torch
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -122,7 +124,7 @@ class CudaIpcMapping:
             raise BadRequest(f"cannot open CUDA IPC handle: {exc}") from None
         self.address = int(self._tensor.data_ptr())
         self.size = size
-        self.identity = ("cuda", handle.device, bytes(handle.handle), handle.storage_offset)
+        self.identity: tuple[object, ...] = ("cuda", handle.device, bytes(handle.handle), handle.storage_offset)
 
     def check(self) -> None:
         """CUDA allocations cannot shrink under an open IPC handle."""
@@ -160,6 +162,25 @@ class RegionSpec:
     block_bytes: int
     num_blocks: int
     groups: tuple[int, ...]
+
+
+def region_specs(regions: Sequence[RegionRequest]) -> list[RegionSpec]:
+    """The regions of a RegisterMemory request with how each one's memory is opened (mapped later, by SessionMemory)."""
+    out = []
+    for i, r in enumerate(regions):
+        handle = r.handle
+        if isinstance(handle, ShmHandle):
+            if not handle.name:
+                raise BadRequest(f"region {i}: shared-memory name is empty")
+            key = "shm:" + handle.name
+            opener: Callable[[int], Mapping] = partial(ShmMapping, handle.name)
+        elif isinstance(handle, CudaHandle):
+            key = f"cuda:{handle.device}:{handle.handle.hex()}:{handle.storage_offset}"
+            opener = partial(CudaIpcMapping, handle)
+        else:
+            raise BadRequest(f"region {i}: needs a shm or cuda handle")
+        out.append(RegionSpec(key, opener, r.mapping_bytes, r.offset, r.stride, r.block_bytes, r.num_blocks, r.groups))
+    return out
 
 
 class SessionMemory:

@@ -68,7 +68,7 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
-        # Tiers (memory and, with --ssd-dir, disk); without a disk tier these stay empty.
+        # Tiers (memory and, with --ssd-dir, disk); without a disk tier they stay at zero.
         self.tier_hits = Counter(
             "kvsidecar_tier_hits", "Blocks loaded, by the tier that held them (memory, disk).", ["tier"], registry=r
         )
@@ -96,3 +96,12 @@ class Metrics:
             for family in (self.tier_hits, self.tier_hit_bytes, self.tier_blocks, self.tier_bytes):
                 family.labels(tier)
             self.tier_capacity_bytes.labels(tier)
+
+    def totals(self) -> dict[str, float]:
+        """Every unlabelled counter's total, by sample name (for Stats)."""
+        return {
+            s.name: s.value
+            for metric in self.registry.collect()
+            for s in metric.samples
+            if s.name.endswith("_total") and not s.labels
+        }

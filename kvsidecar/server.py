@@ -160,7 +160,10 @@ class Daemon:
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
-        sessions = SessionRegistry(cfg.session_ttl, release=lambda s: self._release(s))
+        # Built in dependency order: the store's buffer registration into the sessions, both into the service.
+        sessions = SessionRegistry(
+            cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
+        )
         self.service = SidecarService(
             DataPath(store, self.metrics, tiers=self.disk_tier.tiers(store) if self.disk_tier else None),
             sessions,
@@ -258,10 +261,6 @@ class Daemon:
             log.error("could not restart the embedded master (next try in %.0f s): %s", HOUSEKEEPING_INTERVAL_S, exc)
             return
         log.info("embedded mooncake_master restarted as PID %s; its store starts empty", self.master.pid)
-
-    def _release(self, session: Any) -> None:
-        assert self.service is not None
-        self.service.release(session)
 
     async def stop(self) -> None:
         """Stop in reverse order: refuse new work, drain, release sessions, close the store, stop the master."""

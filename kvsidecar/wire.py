@@ -1,18 +1,31 @@
-"""Proto messages to domain values and back; every request field is validated here with a precise reason."""
+"""Proto messages to domain values and domain results back to proto; request fields are checked with a precise reason.
+
+Nothing else: no memory is opened, no session looked up, no store called here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvsidecar.datapath import Failure
+from kvsidecar import __version__
 from kvsidecar.errors import BadRequest
-from kvsidecar.memory import CudaIpcMapping, RegionSpec, ShmMapping
-from kvsidecar.session import Role
+from kvsidecar.store import StoreHealth
+from kvsidecar.values import (
+    CudaHandle,
+    Failure,
+    LoadOutcome,
+    LookupOutcome,
+    RegionRequest,
+    Role,
+    SaveOutcome,
+    SessionSummary,
+    ShmHandle,
+)
+from kvsidecar_contract.kinds import KIND_OF_PROTO
 from kvsidecar_contract.limits import (
     MAX_BLOCK_IDS,
     MAX_GROUPS,
@@ -21,17 +34,9 @@ from kvsidecar_contract.limits import (
     MAX_MODEL_CHARS,
     MAX_NAME_CHARS,
 )
-from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, Parallel
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
-_KINDS = {
-    pb.FULL_ATTENTION: Kind.FULL_ATTENTION,
-    pb.SLIDING_WINDOW: Kind.SLIDING_WINDOW,
-    pb.MLA: Kind.MLA,
-    pb.SLIDING_WINDOW_MLA: Kind.SLIDING_WINDOW_MLA,
-    pb.MAMBA: Kind.MAMBA,
-    pb.UNIFORM: Kind.UNIFORM,
-}
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
 ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
 
@@ -114,34 +119,39 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
 
 
 def _group(index: int, g: Any) -> GroupSpec:
-    if g.kind not in _KINDS:
+    if g.kind not in KIND_OF_PROTO:
         raise BadRequest(f"group {index}: kind must be set")
     inner = []
     for k in g.inner:
-        if k not in _KINDS:
+        if k not in KIND_OF_PROTO:
             raise BadRequest(f"group {index}: member kinds must be set")
-        inner.append(_KINDS[k])
-    return GroupSpec(_KINDS[g.kind], g.block_size, g.window, tuple(inner))
+        inner.append(KIND_OF_PROTO[k])
+    return GroupSpec(KIND_OF_PROTO[g.kind], g.block_size, g.window, tuple(inner))
 
 
-def region_specs(regions: Sequence[Any]) -> list[RegionSpec]:
-    """Region descriptions of a RegisterMemory request (mapped later, by SessionMemory)."""
+def regions(items: Sequence[Any]) -> list[RegionRequest]:
+    """Regions of a RegisterMemory request (their handles are checked and opened by memory.region_specs)."""
     out = []
-    for i, r in enumerate(regions):
+    for r in items:
         which = r.WhichOneof("handle")
+        handle: ShmHandle | CudaHandle | None = None
         if which == "shm":
-            if not r.shm.name:
-                raise BadRequest(f"region {i}: shared-memory name is empty")
-            key = "shm:" + r.shm.name
-            opener: Any = partial(ShmMapping, r.shm.name)
+            handle = ShmHandle(r.shm.name)
         elif which == "cuda":
-            key = f"cuda:{r.cuda.device}:{r.cuda.handle.hex()}:{r.cuda.storage_offset}"
-            opener = partial(CudaIpcMapping, r.cuda)
-        else:
-            raise BadRequest(f"region {i}: needs a shm or cuda handle")
+            c = r.cuda
+            handle = CudaHandle(
+                device=c.device,
+                handle=c.handle,
+                storage_size=c.storage_size,
+                storage_offset=c.storage_offset,
+                ref_counter_handle=c.ref_counter_handle,
+                ref_counter_offset=c.ref_counter_offset,
+                event_handle=c.event_handle,
+                event_sync_required=c.event_sync_required,
+            )
         out.append(
-            RegionSpec(
-                key, opener, r.mapping_bytes, r.offset, r.block_stride, r.block_bytes, r.num_blocks, tuple(r.groups)
+            RegionRequest(
+                handle, r.mapping_bytes, r.offset, r.block_stride, r.block_bytes, r.num_blocks, tuple(r.groups)
             )
         )
     return out
@@ -172,3 +182,110 @@ def block_ids(values: Sequence[Any], num_groups: int) -> list[list[int]]:
 def failures(items: Sequence[Failure]) -> list[pb.FailedBlock]:
     """Failed blocks as proto messages."""
     return [pb.FailedBlock(group=f.group, block_id=f.block_id, reason=f.reason) for f in items]
+
+
+def open_response(session_id: str, lease_s: float, geo: Geometry) -> pb.OpenSessionResponse:
+    """A new session's id, lease and placement, as the engine needs them."""
+    return pb.OpenSessionResponse(
+        session_id=session_id,
+        lease_ms=int(lease_s * 1000),
+        hit_alignment_tokens=geo.unit,
+        fine_grained_hits=geo.fine_grained,
+        groups=[
+            pb.GroupPlacement(
+                replication_factor=g.factor,
+                shard_id=g.shard,
+                keys_per_boundary=g.keys_per_boundary,
+                span_tokens=g.span,
+            )
+            for g in geo.groups
+        ],
+        daemon_version=__version__,
+    )
+
+
+def register_response(mapped_bytes: int, value_bytes: Sequence[int]) -> pb.RegisterMemoryResponse:
+    """What a registration mapped."""
+    return pb.RegisterMemoryResponse(mapped_bytes=mapped_bytes, value_bytes=value_bytes)
+
+
+def keepalive_response(lease_s: float, store_healthy: bool) -> pb.KeepAliveResponse:
+    """A renewed lease and the store's health."""
+    return pb.KeepAliveResponse(lease_ms=int(lease_s * 1000), store_healthy=store_healthy)
+
+
+def close_response() -> pb.CloseSessionResponse:
+    """A closed session."""
+    return pb.CloseSessionResponse()
+
+
+def save_response(out: SaveOutcome) -> pb.SaveResponse:
+    """What a save did."""
+    return pb.SaveResponse(
+        written=out.written,
+        skipped=out.skipped,
+        failed=len(out.failures),
+        striped_to_others=out.striped_to_others,
+        bytes_written=out.bytes_written,
+        failures=failures(out.failures),
+        absent=out.absent,
+    )
+
+
+def lookup_response(out: LookupOutcome) -> pb.LookupResponse:
+    """A lookup's hit."""
+    return pb.LookupResponse(
+        hit_tokens=out.hit.tokens, tail_boundaries=out.hit.tails, degraded=out.degraded, detail=out.detail
+    )
+
+
+def load_response(out: LoadOutcome) -> pb.LoadResponse:
+    """What a load did."""
+    return pb.LoadResponse(loaded=out.loaded, bytes_loaded=out.bytes_loaded, failures=failures(out.failures))
+
+
+def reset_response(removed: int) -> pb.ResetResponse:
+    """How many values a reset removed."""
+    return pb.ResetResponse(removed=removed)
+
+
+def stats_response(
+    uptime_seconds: float,
+    health: StoreHealth,
+    master_address: str,
+    sessions: Sequence[SessionSummary],
+    counters: dict[str, float],
+) -> pb.StatsResponse:
+    """The daemon's state for operators."""
+    return pb.StatsResponse(
+        daemon_version=__version__,
+        uptime_seconds=uptime_seconds,
+        store_healthy=health.healthy,
+        store_detail=health.detail,
+        master_address=master_address,
+        sessions=[session_info(s) for s in sessions],
+        counters=counters,
+    )
+
+
+def session_info(s: SessionSummary) -> pb.SessionInfo:
+    """One open session, as Stats shows it."""
+    p = s.parallel
+    return pb.SessionInfo(
+        session_id_prefix=s.id_prefix,
+        role=ROLE_TO_PB[s.role],
+        model=s.model,
+        cache_prefix=s.cache_prefix,
+        parallel=pb.ParallelLayout(
+            tp_size=p.tp_size,
+            tp_rank=p.tp_rank,
+            pp_size=p.pp_size,
+            pp_rank=p.pp_rank,
+            pcp_size=p.pcp_size,
+            pcp_rank=p.pcp_rank,
+            dcp_size=p.dcp_size,
+        ),
+        mapped_bytes=s.mapped_bytes,
+        age_seconds=s.age_seconds,
+        client_name=s.client_name,
+    )

@@ -2,36 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from kvsidecar_client.errors import InvalidRequest
+from kvsidecar_contract import placement
+from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.limits import MAX_GROUPS
+from kvsidecar_contract.placement import Kind
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
 
 # The group kinds of the wire contract, by the names PLACEMENT.md uses.
-KINDS: dict[str, pb.GroupKind] = {
-    "full_attention": pb.FULL_ATTENTION,
-    "sliding_window": pb.SLIDING_WINDOW,
-    "mla": pb.MLA,
-    "sliding_window_mla": pb.SLIDING_WINDOW_MLA,
-    "mamba": pb.MAMBA,
-    "uniform": pb.UNIFORM,
-}
-_SLIDING = frozenset({"sliding_window", "sliding_window_mla"})
+KINDS: dict[str, pb.GroupKind] = {kind.value: value for kind, value in PROTO_OF_KIND.items()}
 
 ROLES: dict[str, pb.Role] = {"rank": pb.ROLE_RANK, "scheduler": pb.ROLE_SCHEDULER}
 
 _U32 = 2**32 - 1
+_T = TypeVar("_T")
 
 
-def _check_u32(name: str, value: int, low: int = 0) -> None:
+def _check_int(name: str, value: int) -> None:
     # bool is an int; a True tp_size is a bug in the caller, not a size of 1.
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequest(f"{name} must be an int, got {value!r}")
+
+
+def _check_u32(name: str, value: int, low: int = 0) -> None:
+    # Only for fields the placement rules do not bound: the wire carries them as uint32.
+    _check_int(name, value)
     if not low <= value <= _U32:
         raise InvalidRequest(f"{name} must be in [{low}, {_U32}], got {value}")
+
+
+def _contract(build: Callable[..., _T], *args: Any) -> _T:
+    """Build a contract value; its refusal becomes the client's InvalidRequest with the daemon's own message."""
+    try:
+        return build(*args)
+    except placement.PlacementError as error:
+        raise InvalidRequest(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -47,18 +58,22 @@ class EngineLayout:
     dcp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name, size, rank in (
-            ("tp", self.tp_size, self.tp_rank),
-            ("pp", self.pp_size, self.pp_rank),
-            ("pcp", self.pcp_size, self.pcp_rank),
-        ):
-            _check_u32(f"{name}_size", size, 1)
-            _check_u32(f"{name}_rank", rank)
-            if rank >= size:
-                raise InvalidRequest(f"{name}_rank must be in [0, {size}), got {rank}")
-        _check_u32("dcp_size", self.dcp_size, 1)
-        if self.tp_size % self.dcp_size:
-            raise InvalidRequest(f"dcp_size {self.dcp_size} must divide tp_size {self.tp_size}")
+        for name in ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size"):
+            _check_int(name, getattr(self, name))
+        self.to_parallel()
+
+    def to_parallel(self) -> placement.Parallel:
+        """The contract's Parallel value, validated by the daemon's rules."""
+        return _contract(
+            placement.Parallel,
+            self.tp_size,
+            self.tp_rank,
+            self.pp_size,
+            self.pp_rank,
+            self.pcp_size,
+            self.pcp_rank,
+            self.dcp_size,
+        )
 
     def to_proto(self) -> pb.ParallelLayout:
         """The contract's ParallelLayout message."""
@@ -85,30 +100,22 @@ class GroupSpec:
     def __post_init__(self) -> None:
         # Accept any sequence for `inner` but store a tuple, so the spec stays hashable and immutable.
         object.__setattr__(self, "inner", tuple(self.inner))
-        if self.kind not in KINDS:
-            raise InvalidRequest(f"unknown group kind {self.kind!r}; expected one of {sorted(KINDS)}")
-        _check_u32("block_size", self.block_size, 1)
-        _check_u32("window", self.window)
-        if self.kind == "uniform":
-            if not self.inner:
-                raise InvalidRequest("a uniform group needs at least one member kind in `inner`")
-            for member in self.inner:
-                if member not in KINDS:
-                    raise InvalidRequest(f"unknown member kind {member!r} in a uniform group")
-                if member == "uniform":
-                    raise InvalidRequest("uniform groups nest one level only: a member cannot be uniform")
-        elif self.inner:
-            raise InvalidRequest(f"only uniform groups have members (`inner`), not {self.kind}")
-        sliding = any(kind in _SLIDING for kind in self.members)
-        if sliding and self.window < 1:
-            raise InvalidRequest(f"group {self.kind}: a sliding-window kind needs window >= 1")
-        if not sliding and self.window:
-            raise InvalidRequest(f"group {self.kind}: window is only for sliding-window kinds")
+        _contract(placement.kind_of, self.kind)
+        for member in self.inner:
+            _contract(placement.kind_of, member, "member kind")
+        _check_int("block_size", self.block_size)
+        _check_int("window", self.window)
+        self.to_placement()
 
     @property
     def members(self) -> tuple[str, ...]:
         """The kinds whose rules apply: the members of a uniform group, else the kind itself."""
         return self.inner if self.kind == "uniform" else (self.kind,)
+
+    def to_placement(self) -> placement.GroupSpec:
+        """The contract's GroupSpec value, validated by the daemon's rules."""
+        inner = tuple(Kind(kind) for kind in self.inner)
+        return _contract(placement.GroupSpec, Kind(self.kind), self.block_size, self.window, inner)
 
     def to_proto(self) -> pb.KVCacheGroup:
         """The contract's KVCacheGroup message."""
@@ -136,30 +143,33 @@ class SessionSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
-        model_key = self.model.rstrip("/").split("/")[-1]
-        if not model_key:
-            raise InvalidRequest(f"model name {self.model!r} has no last path component")
-        # '@' separates the fields of a store key: the daemon refuses it, so say so before connecting.
-        if "@" in model_key:
-            raise InvalidRequest(f"model name must not contain '@': {self.model!r}")
-        if "@" in self.cache_prefix:
-            raise InvalidRequest(f"cache_prefix must not contain '@': {self.cache_prefix!r}")
         if self.role not in ROLES:
             raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
-        _check_u32("num_kv_heads", self.num_kv_heads, 1)
-        _check_u32("hash_block_size", self.hash_block_size, 1)
+        for name in ("model", "cache_prefix"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidRequest(f"{name} must be a str, got {getattr(self, name)!r}")
+        _check_int("num_kv_heads", self.num_kv_heads)
+        if self.num_kv_heads > _U32:  # the contract bounds it from below only; the wire carries a uint32
+            raise InvalidRequest(f"num_kv_heads must be at most {_U32}, got {self.num_kv_heads}")
+        _check_int("hash_block_size", self.hash_block_size)
         _check_u32("hash_bytes", self.hash_bytes, 1)
         if not isinstance(self.layout, EngineLayout):
             raise InvalidRequest(f"layout must be an EngineLayout, got {type(self.layout).__name__}")
-        if not self.groups:
-            raise InvalidRequest("a session needs at least one KV-cache group")
         if len(self.groups) > MAX_GROUPS:
             raise InvalidRequest(f"at most {MAX_GROUPS} KV-cache groups per session, got {len(self.groups)}")
         for index, group in enumerate(self.groups):
             if not isinstance(group, GroupSpec):
                 raise InvalidRequest(f"group {index} must be a GroupSpec, got {type(group).__name__}")
-            # How block sizes must align with hash_block_size is a placement rule (spans under DCP): the daemon
-            # owns it and answers INVALID_ARGUMENT with the reason.
+        # Names, heads, U and how every block span aligns with U: the daemon's own rules, refused before connecting.
+        self.to_placement()
+
+    def to_placement(self) -> placement.Layout:
+        """The contract's Layout of this session's rank, validated by the daemon's rules."""
+        groups = tuple(group.to_placement() for group in self.groups)
+        parallel = self.layout.to_parallel()
+        return _contract(
+            placement.Layout, self.model, groups, parallel, self.num_kv_heads, self.hash_block_size, self.cache_prefix
+        )
 
     @property
     def is_scheduler(self) -> bool:

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from kvsidecar.store.codes import StoreCode, StoreError
+from kvsidecar.store.codes import Presence, StoreCode, StoreError
 
-
-class Presence(enum.Enum):
-    """Result of an existence check for one key."""
-
-    PRESENT = 1
-    ABSENT = 0
-    UNKNOWN = -1  # the check itself failed: never count it as a hit
+__all__ = ["Presence", "Store", "StoreHealth", "check_batch_shapes"]
 
 
 class StoreHealth(NamedTuple):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+
+# A call that returns no count (register_buffer, put, setup) returns exactly this when it succeeded.
+SUCCESS = 0
 
 
 class StoreCode(enum.Enum):
@@ -40,11 +44,51 @@ _BY_NUMBER: dict[int, StoreCode] = {
 }
 
 
+# A load failure reason that is no store outcome: the engine named no block for the span (NO_BLOCK).
+NO_BLOCK_REASON = "no_block"
+
+
 def from_mooncake(code: int) -> StoreCode:
     """Map a Mooncake return value (0 or bytes on success, negative on failure) to a StoreCode."""
     if code >= 0:
         return StoreCode.OK
     return _BY_NUMBER.get(code, StoreCode.INTERNAL)
+
+
+class Presence(enum.Enum):
+    """Result of an existence check for one key."""
+
+    PRESENT = 1
+    ABSENT = 0
+    UNKNOWN = -1  # the check itself failed: never count it as a hit
+
+
+# batch_is_exist() return values; anything else (-1) means the check failed.
+class _PresenceOf(dict[int, Presence]):
+    def __missing__(self, code: int) -> Presence:
+        return Presence.UNKNOWN
+
+
+_PRESENCE = _PresenceOf({1: Presence.PRESENT, 0: Presence.ABSENT})
+
+
+def presence_from_mooncake(found: Sequence[int]) -> list[Presence]:
+    """Map batch_is_exist() results to Presences: only 1 is PRESENT, only 0 is ABSENT."""
+    # A lookup converts 10^5 codes: map over the dict's C-level lookup, not a Python loop.
+    return list(map(_PRESENCE.__getitem__, found))
+
+
+def presence_of_failure(code: StoreCode) -> Presence:
+    """The Presence an existence check reports for a key whose check failed with code (an injected fault)."""
+    return Presence.ABSENT if code is StoreCode.NOT_FOUND else Presence.UNKNOWN
+
+
+class Health(enum.IntEnum):
+    """health_check() return values."""
+
+    HEALTHY = 0
+    NOT_INITIALIZED = 1
+    MASTER_UNREACHABLE = 2
 
 
 class StoreError(Exception):

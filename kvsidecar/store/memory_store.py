@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 
 from kvsidecar.store.base import Presence, StoreHealth, check_batch_shapes
-from kvsidecar.store.codes import StoreCode, StoreError, StoreUnavailable
+from kvsidecar.store.codes import StoreCode, StoreError, StoreUnavailable, presence_of_failure
 
 __all__ = ["OPERATIONS", "Fault", "MemoryStore", "Operation"]
 
@@ -107,7 +107,7 @@ class MemoryStore:
                 if forced is None:
                     result.append(Presence.PRESENT if key in self._values else Presence.ABSENT)
                 else:
-                    result.append(Presence.ABSENT if forced is StoreCode.NOT_FOUND else Presence.UNKNOWN)
+                    result.append(presence_of_failure(forced))
             return result
 
     def put_from(

@@ -35,7 +35,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvsidecar.store.base import Presence, StoreHealth, check_batch_shapes
-from kvsidecar.store.codes import StoreCode, StoreError, StoreUnavailable, from_mooncake
+from kvsidecar.store.codes import (
+    SUCCESS,
+    Health,
+    StoreCode,
+    StoreError,
+    StoreUnavailable,
+    from_mooncake,
+    presence_from_mooncake,
+)
 from kvsidecar.store.prefault import SegmentPrefault
 
 __all__ = [
@@ -52,17 +60,6 @@ MIN_GLOBAL_SEGMENT_SIZE = 16 * MIB  # Mooncake rejects smaller non-zero segments
 DEFAULT_GLOBAL_SEGMENT_SIZE = 1024 * MIB
 DEFAULT_LOCAL_BUFFER_SIZE = 16 * MIB
 
-# health_check() return values.
-_HEALTHY, _NOT_INITIALIZED, _MASTER_UNREACHABLE = 0, 1, 2
-
-
-# batch_is_exist() return values; anything else (-1) means the check failed.
-class _PresenceOf(dict[int, Presence]):
-    def __missing__(self, code: int) -> Presence:
-        return Presence.UNKNOWN
-
-
-_PRESENCE = _PresenceOf({1: Presence.PRESENT, 0: Presence.ABSENT})
 # Characters with a meaning in the ECMAScript regex grammar the master uses; everything else stands for itself.
 _REGEX_SPECIAL = frozenset("\\^$.*+?()[]{}|/")
 
@@ -158,7 +155,7 @@ class MooncakeStore:
             )
         except (RuntimeError, TypeError) as exc:
             raise StoreUnavailable(f"Mooncake setup raised: {exc}") from exc
-        if rc != 0:
+        if rc != SUCCESS:
             # A failed setup leaves an object whose close() is safe (measured) and releases its threads.
             native.close()
             raise StoreUnavailable(_setup_failure_reason(rc, settings))
@@ -212,13 +209,13 @@ class MooncakeStore:
     def register_buffer(self, address: int, size: int) -> None:
         """Make [address, address+size) usable for zero-copy transfers (required for RDMA)."""
         rc = self._call("register_buffer", lambda n: n.register_buffer(address, size))
-        if rc != 0:
+        if rc != SUCCESS:
             raise StoreError(from_mooncake(rc), f"register_buffer(0x{address:x}, {size}) returned {rc}")
 
     def unregister_buffer(self, address: int) -> None:
         """Undo register_buffer for the buffer starting at address."""
         rc = self._call("unregister_buffer", lambda n: n.unregister_buffer(address))
-        if rc != 0:
+        if rc != SUCCESS:
             raise StoreError(from_mooncake(rc), f"unregister_buffer(0x{address:x}) returned {rc}")
 
     def exists(self, keys: Sequence[str]) -> list[Presence]:
@@ -240,8 +237,7 @@ class MooncakeStore:
         else:
             found = self._batch_is_exist(list(keys))
         _check_result_length("batch_is_exist", found, keys)
-        # A lookup converts 10^5 codes: map over the dict's C-level lookup, not a Python loop.
-        return list(map(_PRESENCE.__getitem__, found))
+        return presence_from_mooncake(found)
 
     def _batch_is_exist(self, keys: list[str]) -> list[int]:
         found: list[int] = self._call("batch_is_exist", lambda n: n.batch_is_exist(keys))
@@ -289,8 +285,8 @@ class MooncakeStore:
             raise StoreError(StoreCode.INVALID_PARAMS, "an empty prefix would remove every key in the cluster")
         pattern = prefix_regex(prefix) + (f"({rest})$" if rest else "")
         removed = self._call("remove_by_regex", lambda n: n.remove_by_regex(pattern, True))
-        if removed < 0:
-            code = from_mooncake(removed)
+        code = from_mooncake(removed)
+        if code is not StoreCode.OK:
             reason = f"remove_by_regex({pattern!r}) returned {removed}"
             if code in (StoreCode.RPC_FAILED, StoreCode.RPC_TIMEOUT):
                 raise StoreUnavailable(f"master {self._settings.master_server_addr} unreachable: {reason}")
@@ -315,11 +311,11 @@ class MooncakeStore:
             rc = self._call("health_check", lambda n: n.health_check())
         except StoreError as exc:
             return StoreHealth(False, exc.reason)
-        if rc == _HEALTHY:
+        if rc == Health.HEALTHY:
             return StoreHealth(True, f"master {master} reachable")
-        if rc == _MASTER_UNREACHABLE:
+        if rc == Health.MASTER_UNREACHABLE:
             return StoreHealth(False, f"master {master} unreachable")
-        if rc == _NOT_INITIALIZED:
+        if rc == Health.NOT_INITIALIZED:
             return StoreHealth(False, "the Mooncake client is not initialized")
         return StoreHealth(False, f"health_check returned {rc}")
 

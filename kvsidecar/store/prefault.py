@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kvsidecar.store.codes import StoreCode, StoreError, StoreUnavailable
+from kvsidecar.store.codes import SUCCESS, StoreCode, StoreError, StoreUnavailable
 
 __all__ = ["SegmentPrefault", "writable_mapping_end"]
 
@@ -78,7 +78,7 @@ class SegmentPrefault:
         config.replica_num = 1
         config.preferred_segment = hostname
         key = f"{_PROBE_KEY}/{hostname}/{secrets.token_hex(8)}"
-        if self._call("put", lambda n: n.put(key, bytes(64), config)) != 0:
+        if self._call("put", lambda n: n.put(key, bytes(64), config)) != SUCCESS:
             raise StoreError(StoreCode.INTERNAL, "the probe put failed")
         try:
             replicas = self._call("get_replica_desc", lambda n: n.get_replica_desc(key))

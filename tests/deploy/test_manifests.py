@@ -10,6 +10,7 @@ import argparse
 import configparser
 import functools
 import json
+import os
 import re
 import shlex
 import shutil
@@ -628,6 +629,9 @@ def test_dashboard_structure():
 def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
+        # scripts/test.sh installs it: in CI a missing promtool is a failure, not a skip.
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed (scripts/test.sh installs Debian's prometheus package)")
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
     return promtool
 

@@ -104,7 +104,7 @@ def test_fuzz_finding_refusal_reasons_reach_the_client(fuzz_daemon, wire):
 
 def test_fuzz_finding_reset_of_a_key_prefix_the_store_refuses_is_not_internal(fuzz_daemon, wire):
     """Today: a 100 000-character model name opens, saves and looks up fine, but Reset makes Mooncake's
-    remove_by_regex return -600; the StoreError is not a RequestError, so errors.grpc_status answers INTERNAL, with
+    remove_by_regex return -600; the StoreError is not a RequestError, so the status table answered INTERNAL, with
     a 100 kB reason the client cannot even receive (RESOURCE_EXHAUSTED "Stream removed"). Either bound the model
     name (and cache_prefix) at OpenSession, or map store errors of Reset/RegisterMemory to a clean status."""
     opened = wire.rpc("OpenSession", open_request([ATTN], model="x" * 100_000))
@@ -303,7 +303,7 @@ def test_fuzz_finding_close_during_registration_leaks_the_mapping(slow):
 
 def test_fuzz_finding_store_error_while_registering_is_not_internal(slow):
     """Today: a store that cannot register the buffer (StoreUnavailable: master down; any StoreError) makes
-    RegisterMemory answer INTERNAL: errors.grpc_status maps only RequestError and PlacementError."""
+    RegisterMemory answer INTERNAL: the status table mapped only RequestError and PlacementError."""
     daemon, store = slow
     wire = Wire(daemon.target)
     segment = GuardedSegment(4096)

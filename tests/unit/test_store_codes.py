@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.store import StoreCode, StoreError, StoreUnavailable
-from kvsidecar.store.codes import from_mooncake
+from kvsidecar.store import Presence, StoreCode, StoreError, StoreUnavailable
+from kvsidecar.store.codes import (
+    NO_BLOCK_REASON,
+    SUCCESS,
+    Health,
+    from_mooncake,
+    presence_from_mooncake,
+    presence_of_failure,
+)
 
 MOONCAKE_CODES = [
     (-1, StoreCode.INTERNAL),
@@ -62,3 +69,28 @@ def test_unavailable_is_a_store_error_with_the_unavailable_code():
     err = StoreUnavailable("master 127.0.0.1:1 unreachable")
     assert isinstance(err, StoreError)
     assert (err.code, str(err)) == (StoreCode.UNAVAILABLE, "unavailable: master 127.0.0.1:1 unreachable")
+
+
+def test_existence_results_map_only_one_and_zero_to_an_answer():
+    assert presence_from_mooncake([1, 0, -1, -900, 2]) == [
+        Presence.PRESENT,
+        Presence.ABSENT,
+        Presence.UNKNOWN,
+        Presence.UNKNOWN,
+        Presence.UNKNOWN,
+    ]
+
+
+def test_a_failed_check_is_unknown_unless_the_key_is_known_missing():
+    assert presence_of_failure(StoreCode.NOT_FOUND) is Presence.ABSENT
+    assert {presence_of_failure(c) for c in StoreCode if c is not StoreCode.NOT_FOUND} == {Presence.UNKNOWN}
+
+
+def test_health_check_numbers():
+    assert (Health(0), Health(1), Health(2)) == (Health.HEALTHY, Health.NOT_INITIALIZED, Health.MASTER_UNREACHABLE)
+    assert SUCCESS == 0
+
+
+def test_the_no_block_reason_is_a_metric_label_no_store_code_has():
+    assert NO_BLOCK_REASON == "no_block"
+    assert NO_BLOCK_REASON not in {code.value for code in StoreCode}

@@ -20,9 +20,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvsidecar_client import NO_BLOCK, EngineLayout, GroupSpec, InvalidRequest
-from kvsidecar_client.results import GroupPlacement, SessionInfo
-from kvsidecar_client.vllm.plan import check_save, load_block_ids, saved_chunks, shape_of
+from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest
 from kvsidecar_client.vllm.settings import ConnectorSettings
 from kvsidecar_client.vllm.specs import (
     UnsupportedSpec,
@@ -116,52 +114,4 @@ def test_settings_from_extra_config():
             ConnectorSettings.from_extra_config(bad)
 
 
-# ---- which blocks a save reads, and when it must not be sent ----
-
-ATTN_MAMBA = shape_of(
-    (GroupSpec("full_attention", 16), GroupSpec("mamba", 16)),
-    SessionInfo(10_000, 16, False, (GroupPlacement(1, 0, 1, 16), GroupPlacement(1, 0, 1, 16)), "x"),
-    16,
-)
-NULL = 0
-
-
-def test_a_save_stores_each_new_block_under_its_end():
-    assert saved_chunks(ATTN_MAMBA, 48, 16) == [[(1, 32), (2, 48)], [(1, 32), (2, 48)]]
-
-
-def test_a_recurrent_group_is_saved_only_for_the_state_it_holds():
-    # One block per step: the recurrent state in memory is the state after exactly num_tokens tokens.
-    ok = check_save(ATTN_MAMBA, [[1, 2, 3], [NULL, 5, 6]], 48, 32, NULL)
-    assert ok.ok and ok.reads == {3, 6} and ok.chunks == 2
-    assert ok.block_ids == ((1, 2, 3), (NULL, 5, 6))
-    # A whole prompt in one step: the states after 16 and 32 tokens were never kept. Those spans go as NO_BLOCK
-    # (the daemon skips them); the attention blocks and the state after 48 are stored.
-    whole = check_save(ATTN_MAMBA, [[1, 2, 3], [NULL, NULL, 6]], 48, 0, NULL)
-    assert whole.ok and whole.reads == {1, 2, 3, 6} and whole.chunks == 4
-    assert whole.block_ids == ((1, 2, 3), (NO_BLOCK, NO_BLOCK, 6))
-    assert "state after 16" in whole.reason
-    # Nothing right to store: not sent at all.
-    none = check_save(ATTN_MAMBA, [[1, 2, 3], [NULL, NULL, NULL]], 48, 32, NULL)
-    assert (none.ok, none.chunks) == (True, 1)  # the attention block 3 still is
-    mamba_only = shape_of(
-        (GroupSpec("mamba", 16),), SessionInfo(10_000, 16, False, (GroupPlacement(1, 0, 1, 16),), "x"), 16
-    )
-    assert not check_save(mamba_only, [[NULL, NULL, NULL]], 48, 0, NULL).ok
-
-
-def test_a_null_block_is_never_read():
-    swa = shape_of(
-        (GroupSpec("sliding_window", 16, 32),),
-        SessionInfo(10_000, 16, False, (GroupPlacement(1, 0, 1, 16),), "x"),
-        16,
-    )
-    retired = check_save(swa, [[NULL, 2, 3]], 48, 0, NULL)  # the window retired block 0
-    assert retired.reads == {2, 3} and retired.block_ids == ((NO_BLOCK, 2, 3),)
-    assert check_save(swa, [[NULL, 2, 3]], 48, 16, NULL).reads == {2, 3}
-
-
-def test_a_load_writes_the_hit_blocks_past_the_local_prefix():
-    ids = [[1, 2, 3, 4], [9, 9, 7, 8]]
-    assert load_block_ids(ATTN_MAMBA, ids, 64, 16) == [[2, 3, 4], [8]]
-    assert load_block_ids(ATTN_MAMBA, ids, 16, 16) == [[], []]
+# The save checks and load reads (vllm/plan.py) are pure: tests/unit/client/test_vllm_plan.py.

@@ -6,6 +6,20 @@
 See docs/vllm.md.
 """
 
-from kvsidecar_client.vllm.connector import KVSidecarConnector
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvsidecar_client.vllm.connector import KVSidecarConnector
 
 __all__ = ["KVSidecarConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM is imported when vLLM asks for the connector, so the pure modules here (plan) import without it.
+    if name == "KVSidecarConnector":
+        from kvsidecar_client.vllm.connector import KVSidecarConnector
+
+        return KVSidecarConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -78,7 +78,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._scheduler = SchedulerSide(
                 client,
                 groups,
-                shape_of(groups.specs, info, unit),
+                shape_of(client.spec, info),
                 eagle=spec is not None and spec.use_eagle_block_drop(),
                 load=transfer.is_kv_consumer,
                 save=transfer.is_kv_producer,

@@ -1,14 +1,16 @@
 """Which blocks a Save or Load will touch, so the connector never hands the daemon a block it must not read.
 
 The daemon owns placement (keys, striping, quorum); the client never computes a key. What the connector must know
-is narrower: which of its block ids a Save reads and a Load writes (PLACEMENT.md, "What gets stored" and rule 8),
-because vLLM's block table is not a plain positional array. Its null block stands in for blocks a sliding window
-or an "align"-mode Mamba group has retired, and a recurrent group holds only the state after the tokens computed
-so far, not one state per block. A Save over such a block would store garbage under a real key: a silent wrong
-answer on the next hit. So every Save is checked here first: a span whose bytes the engine does not hold is sent as
-NO_BLOCK (the daemon skips it), and a Save left with nothing to store is not sent.
+is narrower: which of its block ids a Save reads and a Load writes (PLACEMENT.md, "What gets stored" and rule 8).
+Those spans come from the contract (`kvsidecar_contract.placement.Spans`), the very functions the daemon's save and
+load plans are built on, so the two cannot drift. What is left here is about vLLM, whose block table is not a plain
+positional array: its null block stands in for blocks a sliding window or an "align"-mode Mamba group has retired,
+and a recurrent group holds only the state after the tokens computed so far, not one state per block. A Save over
+such a block would store garbage under a real key: a silent wrong answer on the next hit. So every Save is checked
+here first: a span whose bytes the engine does not hold is sent as NO_BLOCK (the daemon skips it), and a Save left
+with nothing to store is not sent.
 
-Pure: ints and tuples in, value types out.
+Pure: ints and tuples in, value types out; importable without vLLM.
 """
 
 from __future__ import annotations
@@ -16,30 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvsidecar_client.layout import GroupSpec
+from kvsidecar_client.errors import Unsupported
+from kvsidecar_client.layout import SessionSpec
 from kvsidecar_client.results import SessionInfo
 from kvsidecar_contract.limits import NO_BLOCK
+from kvsidecar_contract.placement import Spans
 
-__all__ = ["GroupShape", "SaveCheck", "Shape", "load_block_ids", "check_save", "saved_chunks", "shape_of"]
-
-_RECURRENT = frozenset({"mamba"})
-_SLIDING = frozenset({"sliding_window", "sliding_window_mla"})
-
-
-class GroupShape(NamedTuple):
-    """One session group as the daemon places it: tokens per block, recurrent or not, sliding window (0: none)."""
-
-    span: int
-    recurrent: bool
-    window: int
-
-
-class Shape(NamedTuple):
-    """The session's groups, hash block size U, and whether hits may end inside a block."""
-
-    groups: tuple[GroupShape, ...]
-    unit: int
-    fine_grained: bool
+__all__ = ["SaveCheck", "Spans", "check_save", "load_block_ids", "saved_chunks", "shape_of"]
 
 
 class SaveCheck(NamedTuple):
@@ -52,36 +37,31 @@ class SaveCheck(NamedTuple):
     block_ids: tuple[tuple[int, ...], ...] = ()  # per group, NO_BLOCK where the engine holds no right bytes
 
 
-def shape_of(groups: Sequence[GroupSpec], info: SessionInfo, hash_block_size: int) -> Shape:
-    """The shape of a session, from its groups and the daemon's OpenSession answer (spans, fine-grained hits)."""
-    shapes = []
-    for spec, placement in zip(groups, info.groups, strict=True):
-        members = spec.members
-        window = spec.window if all(kind in _SLIDING for kind in members) else 0
-        shapes.append(GroupShape(placement.span_tokens, any(k in _RECURRENT for k in members), window))
-    return Shape(tuple(shapes), hash_block_size, info.fine_grained_hits)
+def shape_of(spec: SessionSpec, info: SessionInfo | None = None) -> Spans:
+    """A session's spans by the contract's rules, checked against the daemon's OpenSession answer when given.
 
-
-def saved_chunks(shape: Shape, num_tokens: int, saved_tokens: int) -> list[list[tuple[int, int]]]:
-    """Per group, the (block index, boundary) of every value a Save of (saved_tokens, num_tokens] stores.
-
-    Attention kinds store each complete block under its end, and with fine-grained hits the partial last block
-    under the last U boundary; recurrent kinds store the state at each block end and at the last U boundary.
+    The connector and the daemon derive them from the same code; a daemon that answers otherwise runs other rules
+    (version skew), and planning loads and saves by rules the daemon does not follow would corrupt the fence.
     """
-    u = shape.unit
-    last = num_tokens - num_tokens % u
-    out = []
-    for group in shape.groups:
-        s = group.span
-        chunks = [(k, (k + 1) * s) for k in range(num_tokens // s)]
-        if last % s and (group.recurrent or shape.fine_grained):
-            chunks.append((last // s, last))
-        out.append([(k, b) for k, b in chunks if b > saved_tokens])
-    return out
+    spans = Spans.of(spec.to_placement())
+    if info is not None:
+        theirs = (tuple(g.span_tokens for g in info.groups), info.fine_grained_hits, info.hit_alignment_tokens)
+        ours = (spans.spans, spans.fine_grained, spans.unit)
+        if theirs != ours:
+            raise Unsupported(
+                f"the daemon {info.daemon_version} places this session with (spans, fine-grained hits, hit "
+                f"alignment) {theirs}, this client's contract with {ours}: install matching versions"
+            )
+    return spans
+
+
+def saved_chunks(shape: Spans, num_tokens: int, saved_tokens: int) -> list[list[tuple[int, int]]]:
+    """Per group, the (block index, boundary) of every value a Save of (saved_tokens, num_tokens] stores."""
+    return shape.save(num_tokens, saved_tokens)
 
 
 def check_save(
-    shape: Shape,
+    shape: Spans,
     block_ids: Sequence[Sequence[int]],
     num_tokens: int,
     saved_tokens: int,
@@ -97,7 +77,7 @@ def check_save(
     chunks = 0
     skipped: list[str] = []
     out = [list(ids) for ids in block_ids]
-    for g, (group, items) in enumerate(zip(shape.groups, saved_chunks(shape, num_tokens, saved_tokens), strict=True)):
+    for g, (group, items) in enumerate(zip(shape.groups, shape.save(num_tokens, saved_tokens), strict=True)):
         ids = out[g]
         for index, boundary in items:
             if index >= len(ids):
@@ -117,20 +97,11 @@ def check_save(
 
 
 def load_block_ids(
-    shape: Shape, block_ids: Sequence[Sequence[int]], hit_tokens: int, start_tokens: int
+    shape: Spans, block_ids: Sequence[Sequence[int]], hit_tokens: int, start_tokens: int
 ) -> list[list[int]]:
-    """Per group, the block ids a Load of hit_tokens (engine already holding start_tokens) writes into."""
-    out: list[list[int]] = []
-    for group, ids in zip(shape.groups, block_ids, strict=True):
-        if hit_tokens <= start_tokens:
-            out.append([])
-            continue
-        s = group.span
-        last = (hit_tokens - 1) // s
-        if group.recurrent:
-            first = last
-        else:
-            first = max(0, (hit_tokens - group.window) // s) if group.window else 0
-        first = max(first, start_tokens // s)
-        out.append([ids[i] for i in range(first, min(last + 1, len(ids)))])
-    return out
+    """Per group, the block ids a Load of hit_tokens (engine already holding start_tokens) writes into.
+
+    Spans past the end of a group's table have no block id: the daemon refuses such a load, and nothing is written.
+    """
+    loads = shape.load(hit_tokens, start_tokens)
+    return [[ids[i] for i in spans if i < len(ids)] for spans, ids in zip(loads, block_ids, strict=True)]

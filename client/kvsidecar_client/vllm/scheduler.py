@@ -15,7 +15,7 @@ from kvsidecar_client.client import SidecarClient
 from kvsidecar_client.errors import SidecarError
 from kvsidecar_client.results import Hit
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
-from kvsidecar_client.vllm.plan import Shape, check_save, load_block_ids
+from kvsidecar_client.vllm.plan import Spans, check_save, load_block_ids
 from kvsidecar_client.vllm.specs import EngineGroups
 
 __all__ = ["SchedulerSide"]
@@ -43,7 +43,7 @@ class SchedulerSide:
         self,
         client: SidecarClient,
         groups: EngineGroups,
-        shape: Shape,
+        shape: Spans,
         *,
         eagle: bool = False,
         load: bool = True,
@@ -79,7 +79,7 @@ class SchedulerSide:
         tracked.known_blocks = frozenset()
         if not self._load:
             return 0, False
-        u = self._shape.unit
+        u = self._shape.hash_block_size
         hashes = list(request.block_hashes[: request.num_tokens // u])
         if len(hashes) * u <= num_computed_tokens:
             return 0, False  # the store cannot beat the local prefix cache
@@ -111,7 +111,7 @@ class SchedulerSide:
             refused = f"vLLM admitted {num_external_tokens} external tokens of the {hit.hit_tokens - start} found"
         elif any(b == self._null_block for group in reads for b in group):
             refused = "vLLM gave a null block to a block the load writes"
-        u = self._shape.unit
+        u = self._shape.hash_block_size
         self._pending_loads.append(
             LoadSpec(
                 req_id=request.request_id,
@@ -171,7 +171,7 @@ class SchedulerSide:
         self, tracked: _Tracked, ids: Sequence[Sequence[int]], computed: int, scheduled: int, scheduler_output: Any
     ) -> SaveSpec | None:
         request = tracked.request
-        u = self._shape.unit
+        u = self._shape.hash_block_size
         # Tokens whose KV is final after this step: draft tokens are not (they may be rejected).
         num_tokens = min(computed + scheduled, request.num_tokens, len(request.block_hashes) * u)
         saved = tracked.saved_tokens

@@ -10,13 +10,13 @@ from kvsidecar_contract.placement.chunks import (
     check_hit,
     load_plan,
     save_plan,
-    saved_boundaries,
 )
 from kvsidecar_contract.placement.errors import InvalidLayout, InvalidRequest, PlacementError
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
-from kvsidecar_contract.placement.keys import KEY_TAIL_PATTERN, block_key, namespace_prefix
-from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, parse_group, parse_groups
+from kvsidecar_contract.placement.keys import KEY_TAIL_PATTERN, block_key, key_prefix, model_key, namespace_prefix
+from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, kind_of, parse_group, parse_groups
 from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
+from kvsidecar_contract.placement.spans import Spans, fine_grained, load_spans, save_spans
 
 __all__ = [
     "KEY_TAIL_PATTERN",
@@ -34,17 +34,23 @@ __all__ = [
     "Parallel",
     "PlacementError",
     "SavePlan",
+    "Spans",
     "block_key",
     "check_hit",
     "compute_hit",
+    "fine_grained",
+    "key_prefix",
+    "kind_of",
     "load_plan",
+    "load_spans",
     "lookup_plan",
+    "model_key",
     "namespace_prefix",
     "parse_group",
     "parse_groups",
     "replication_factor",
     "save_plan",
-    "saved_boundaries",
+    "save_spans",
     "span",
     "writes_chunk",
 ]

@@ -9,6 +9,7 @@ from kvsidecar_contract.limits import NO_BLOCK
 from kvsidecar_contract.placement.errors import InvalidRequest
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, writes_chunk
 from kvsidecar_contract.placement.keys import block_key
+from kvsidecar_contract.placement.spans import load_spans, save_spans
 
 
 class Chunk(NamedTuple):
@@ -27,18 +28,6 @@ class SavePlan(NamedTuple):
     chunks: tuple[Chunk, ...]
     others: int  # chunks of this save that another rank of the replication set writes
     absent: int = 0  # chunks this rank would write but holds no block for (NO_BLOCK)
-
-
-def saved_boundaries(geo: Geometry, group: GroupGeometry, num_tokens: int) -> list[tuple[int, int]]:
-    """(block index, boundary) of every value a save of num_tokens tokens stores for a group, on any rank."""
-    s, u = group.span, geo.layout.hash_block_size
-    out = [(k, (k + 1) * s) for k in range(num_tokens // s)]
-    last = num_tokens - num_tokens % u
-    # The partial last block: recurrent state at the last U boundary always; attention tokens only when hits
-    # may end mid-block. (Without fine-grained hits a recurrent span equals U, so `last` is then a block end.)
-    if last % s and (group.spec.recurrent or geo.fine_grained):
-        out.append((last // s, last))
-    return out
 
 
 def save_plan(
@@ -62,9 +51,7 @@ def save_plan(
     others = absent = 0
     for group in geo.groups:
         ids = block_ids[group.index]
-        for index, boundary in saved_boundaries(geo, group, num_tokens):
-            if boundary <= saved_tokens:
-                continue
+        for index, boundary in save_spans(group.spec, group.span, u, geo.fine_grained, num_tokens, saved_tokens):
             if not writes_chunk(rank, group.index, index, group.factor):
                 others += 1
                 continue
@@ -96,22 +83,13 @@ def load_plan(
     check_hit(geo, len(block_hashes), hit_tokens, tails)
     if not 0 <= start_tokens <= hit_tokens:
         raise InvalidRequest(f"start_tokens {start_tokens} must be in [0, hit_tokens={hit_tokens}]")
-    if hit_tokens == start_tokens:
-        return ()
     chunks: list[Chunk] = []
     for group, tail in zip(geo.groups, tails, strict=True):
         ids = block_ids[group.index]
-        s = group.span
-        last = (hit_tokens - 1) // s
-        window = group.spec.attention_window
-        if not group.spec.attention:
-            first = last  # recurrent state: only the value at the hit end
-        else:
-            first = 0 if window is None else max(0, (hit_tokens - window) // s)
-        first = max(first, start_tokens // s)
-        for index in range(first, last + 1):
+        spans = load_spans(group.spec, group.span, hit_tokens, start_tokens)
+        for index in spans:
             _check_index(group, ids, index)
-            boundary = (index + 1) * s if index < last else tail
+            boundary = (index + 1) * group.span if index < spans.stop - 1 else tail
             key = block_key(group.prefix, block_hashes[boundary // u - 1])
             chunks.append(Chunk(group.index, index, boundary, ids[index], key))
     return tuple(chunks)

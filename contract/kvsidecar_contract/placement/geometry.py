@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvsidecar_contract.placement.errors import InvalidLayout
 from kvsidecar_contract.placement.keys import namespace_prefix
-from kvsidecar_contract.placement.layout import MAX_TOKENS, GroupSpec, Layout
+from kvsidecar_contract.placement.layout import GroupSpec, Layout
+from kvsidecar_contract.placement.spans import Spans, span
+
+__all__ = ["MAX_NAMESPACES", "Geometry", "GroupGeometry", "replication_factor", "span", "writes_chunk"]
 
 MAX_NAMESPACES = 1 << 16  # key prefixes a session precomputes, summed over its groups
 
@@ -19,11 +21,6 @@ def replication_factor(group: GroupSpec, tp_size: int, num_kv_heads: int, dcp_si
     if all(k.latent for k in group.members):
         return tp_size
     return max(1, tp_size // num_kv_heads)
-
-
-def span(group: GroupSpec, dcp_size: int) -> int:
-    """Rule 6: tokens one physical block covers; attention blocks are striped over D ranks under DCP."""
-    return group.block_size if group.recurrent else group.block_size * dcp_size
 
 
 def writes_chunk(tp_rank: int, group: int, chunk: int, factor: int) -> bool:
@@ -61,7 +58,7 @@ class Geometry:
     @classmethod
     def of(cls, layout: Layout) -> Geometry:
         """Derive the geometry of a validated layout."""
-        par, u = layout.parallel, layout.hash_block_size
+        par = layout.parallel
         factors = [replication_factor(spec, par.tp_size, layout.num_kv_heads, par.dcp_size) for spec in layout.groups]
         namespaces = sum(par.pcp_size * (par.tp_size // f) * par.pp_size for f in factors)
         if namespaces > MAX_NAMESPACES:
@@ -69,6 +66,7 @@ class Geometry:
                 f"this layout needs {namespaces} key namespaces per boundary across its groups, more than "
                 f"{MAX_NAMESPACES}"
             )
+        spans = Spans.of(layout)
         groups = []
         for g, spec in enumerate(layout.groups):
             f = factors[g]
@@ -83,14 +81,8 @@ class Geometry:
             own = namespace_prefix(
                 layout.model_key, layout.cache_prefix, shard, par.pcp_rank, par.dcp_rank, par.pp_rank, g
             )
-            groups.append(GroupGeometry(g, spec, f, span(spec, par.dcp_size), shard, own, lookup))
-        fine = any(gg.spec.recurrent and (gg.span > u or (par.dcp_size > 1 and gg.span >= u)) for gg in groups)
-        unit = u if fine else math.lcm(*(gg.span for gg in groups))
-        if unit > MAX_TOKENS:
-            raise InvalidLayout(
-                f"hits would be aligned to {unit} tokens (the spans' least common multiple), past {MAX_TOKENS}"
-            )
-        return cls(layout, tuple(groups), fine, unit)
+            groups.append(GroupGeometry(g, spec, f, spans.spans[g], shard, own, lookup))
+        return cls(layout, tuple(groups), spans.fine_grained, spans.unit)
 
     def probed_boundaries(self, group: GroupGeometry, num_hashes: int) -> range:
         """Hash indices (boundary // U - 1) whose keys a lookup probes for this group."""

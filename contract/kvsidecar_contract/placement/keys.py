@@ -8,12 +8,23 @@ from __future__ import annotations
 KEY_TAIL_PATTERN = r"tp_rank:[0-9]+@pcp[0-9]+@dcp[0-9]+@pp_rank:[0-9]+@group:[0-9]+@[0-9a-f]+"
 
 
+def model_key(model: str) -> str:
+    """The model's field in keys: the last path component of its name (a model key is its own model key)."""
+    return model.rstrip("/").split("/")[-1]
+
+
+def key_prefix(model: str, cache_prefix: str) -> str:
+    """`[<cache_prefix>@]<model key>@`: the start of every key of one model under one cache prefix."""
+    head = f"{cache_prefix}@" if cache_prefix else ""
+    return f"{head}{model_key(model)}@"
+
+
 def namespace_prefix(
     model_key: str, cache_prefix: str, shard: int, pcp_rank: int, dcp_rank: int, pp_rank: int, group: int
 ) -> str:
     """The key prefix of one namespace: everything before `@<hash_hex>`."""
-    head = f"{cache_prefix}@" if cache_prefix else ""
-    return f"{head}{model_key}@tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"
+    head = key_prefix(model_key, cache_prefix)
+    return f"{head}tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"
 
 
 def block_key(prefix: str, block_hash: bytes) -> str:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from kvsidecar_contract.placement.errors import InvalidLayout
+from kvsidecar_contract.placement.keys import model_key
 
 # Limits far past any real engine that keep every derived value (spans, alignment, namespaces) small: an absurd
 # layout is refused at once instead of costing the daemon seconds and gigabytes.
@@ -187,7 +188,17 @@ class Layout:
     @property
     def model_key(self) -> str:
         """The model's field in keys: the last path component of its name."""
-        return self.model.rstrip("/").split("/")[-1]
+        return model_key(self.model)
+
+
+def kind_of(name: str, what: str = "group kind", where: str = "") -> Kind:
+    """The Kind spelled `name` (as in `--groups` and the client), or InvalidLayout listing the known ones."""
+    try:
+        return Kind(name)
+    except ValueError:
+        known = ", ".join(k.value for k in Kind)
+        at = f" in {where!r}" if where else ""
+        raise InvalidLayout(f"unknown {what} {name!r}{at} (known: {known})") from None
 
 
 def parse_group(text: str, block_size: int) -> GroupSpec:
@@ -222,11 +233,7 @@ def parse_groups(text: str, block_size: int) -> tuple[GroupSpec, ...]:
 
 def _parse_kind(text: str, whole: str) -> tuple[Kind, int]:
     name, _, window = text.strip().partition(":")
-    try:
-        kind = Kind(name)
-    except ValueError:
-        known = ", ".join(k.value for k in Kind)
-        raise InvalidLayout(f"unknown group kind {name!r} in {whole!r} (known: {known})") from None
+    kind = kind_of(name, where=whole)
     if window and not kind.sliding:
         raise InvalidLayout(f"only sliding-window kinds take a window, got {text!r}")
     return kind, _parse_int(window, f"window in {whole!r}") if window else 0

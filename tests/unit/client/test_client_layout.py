@@ -3,6 +3,8 @@
 import pytest
 
 from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest, SessionSpec
+from kvsidecar_client.layout import KINDS
+from kvsidecar_contract.placement import Kind
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 GROUPS = (
@@ -129,3 +131,49 @@ def test_session_refuses(overrides, reason):
 
 def test_model_key_is_the_last_path_component():
     assert spec(model="org@x/Model").model == "org@x/Model"  # only the key's part must be free of '@'
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (dict(groups=(GroupSpec("full_attention", 24),)), "not a multiple of hash_block_size 16"),
+        (dict(groups=(GroupSpec("mamba", 8),), parallel=dict(tp_size=2, dcp_size=2)), "a block spans 8 tokens"),
+        (dict(groups=(GroupSpec("full_attention", 16),), num_kv_heads=3), "must divide one another"),
+        (dict(parallel=dict(tp_size=2048)), "tp_size must be in [1, 1024]"),
+        (dict(parallel=dict(tp_size=4, dcp_size=3)), "dcp_size 3 must divide tp_size 4"),
+        (dict(parallel=dict(tp_size=2, tp_rank=5)), "tp_rank must be in [0, 2)"),
+        (dict(model="org/a@b"), "must not contain '@'"),
+        (dict(model="///"), "has no last path component"),
+        (dict(hash_block_size=1 << 25), "hash_block_size must be in"),
+    ],
+)
+def test_the_client_refuses_a_layout_with_the_daemons_own_message(overrides, reason):
+    """What the client refuses before connecting, the daemon refuses in the same words (one implementation)."""
+    from kvsidecar import wire
+    from kvsidecar_contract.placement import PlacementError
+
+    fields = dict(model="org/Model", parallel=dict(tp_size=2), num_kv_heads=2, hash_block_size=16, groups=GROUPS)
+    fields.update(overrides)
+    parallel = fields.pop("parallel")
+    with pytest.raises(InvalidRequest) as refused:
+        SessionSpec(layout=EngineLayout(**parallel), **fields)
+    assert reason in refused.value.reason
+    # The same layout as the wire carries it, built field by field since the client will not build it.
+    request = pb.OpenSessionRequest(
+        engine=pb.EngineIdentity(model=fields["model"]),
+        parallel=pb.ParallelLayout(**{"pp_size": 1, "pcp_size": 1, "dcp_size": 1, **parallel}),
+        num_kv_heads=fields["num_kv_heads"],
+        hash_block_size=fields["hash_block_size"],
+        groups=[g.to_proto() for g in fields["groups"]],
+        hash_bytes=32,
+        role=pb.ROLE_RANK,
+    )
+    with pytest.raises(PlacementError) as daemon:
+        wire.open_request(request)
+    assert str(daemon.value) == refused.value.reason
+
+
+def test_group_kinds_are_the_contracts_under_their_proto_names():
+    assert {KINDS[k.value]: k.name for k in Kind} == {
+        v.number: v.name for v in pb.GroupKind.DESCRIPTOR.values if v.number != pb.GROUP_KIND_UNSPECIFIED
+    }

@@ -9,6 +9,7 @@ from kvsidecar_contract.placement import (
     Layout,
     Parallel,
     block_key,
+    key_prefix,
     lookup_plan,
     namespace_prefix,
     save_plan,
@@ -28,6 +29,24 @@ H_AB = bytes.fromhex("ab" * 31 + "0f")
 )
 def test_namespace_prefix_fields(args, expected):
     assert namespace_prefix(*args) == expected
+
+
+@pytest.mark.parametrize(
+    ("model", "cache_prefix", "expected"),
+    [
+        ("Model", "", "Model@"),
+        ("org/Model/", "", "Model@"),  # a model name or its key: the key field is the last path component
+        ("Model", "tenant-a", "tenant-a@Model@"),
+        ("deepseek-ai/DeepSeek-V3", "salt:x/y", "salt:x/y@DeepSeek-V3@"),
+    ],
+)
+def test_key_prefix_starts_every_key_of_a_model(model, cache_prefix, expected):
+    assert key_prefix(model, cache_prefix) == expected
+    layout = Layout(model, (GroupSpec(Kind.FULL_ATTENTION, 16),), Parallel(tp_size=2), 2, cache_prefix=cache_prefix)
+    for rank in range(2):
+        geo = Geometry.of(layout.for_rank(rank))
+        prefixes = [g.prefix for g in geo.groups] + [p for g in geo.groups for p in g.lookup_prefixes]
+        assert all(p.startswith(expected) for p in prefixes)
 
 
 def test_block_key_is_lowercase_hex_of_the_hash():

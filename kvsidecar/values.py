@@ -1,0 +1,113 @@
+"""The daemon's domain values that requests carry in and results carry out; wire.py converts them to and from proto.
+
+Plain values only: nothing here maps memory, talks to the store or knows gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvsidecar_contract.placement import Hit, Parallel
+
+__all__ = [
+    "CudaHandle",
+    "Failure",
+    "LoadOutcome",
+    "LookupOutcome",
+    "RegionRequest",
+    "Role",
+    "SaveOutcome",
+    "SessionSummary",
+    "ShmHandle",
+]
+
+
+class Role(enum.Enum):
+    """What a session may do."""
+
+    RANK = "rank"  # registers memory, saves, loads, looks up
+    SCHEDULER = "scheduler"  # looks up only
+
+
+@dataclass(frozen=True, slots=True)
+class ShmHandle:
+    """A named POSIX shared-memory segment of the engine."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CudaHandle:
+    """A CUDA allocation of the engine, as torch's IPC reduction describes it."""
+
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RegionRequest:
+    """One strided view of engine memory as a RegisterMemory request describes it (checked and mapped by memory.py)."""
+
+    handle: ShmHandle | CudaHandle | None  # None: the request named no handle
+    mapping_bytes: int
+    offset: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+    groups: tuple[int, ...]
+
+
+class Failure(NamedTuple):
+    """A block whose save or load failed, and the store's reason."""
+
+    group: int
+    block_id: int
+    reason: str
+
+
+class SaveOutcome(NamedTuple):
+    """What one save did."""
+
+    written: int
+    skipped: int
+    failures: tuple[Failure, ...]
+    striped_to_others: int
+    bytes_written: int
+    absent: int = 0
+
+
+class LookupOutcome(NamedTuple):
+    """A hit, or a miss because the store could not be asked."""
+
+    hit: Hit
+    degraded: bool
+    detail: str
+
+
+class LoadOutcome(NamedTuple):
+    """What one load did."""
+
+    loaded: int
+    bytes_loaded: int
+    failures: tuple[Failure, ...]
+
+
+class SessionSummary(NamedTuple):
+    """What operators see of one open session (Stats)."""
+
+    id_prefix: str
+    role: Role
+    model: str
+    cache_prefix: str
+    parallel: Parallel
+    mapped_bytes: int
+    age_seconds: float
+    client_name: str
