@@ -167,7 +167,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
         "master_client_ttl",
         float,
         "external master's --client_ttl in seconds: with --ssd-dir, a restart waits this long after the previous "
-        "daemon's end so the master lets go of its disk blocks (default 10)",
+        "daemon's end so the master lets go of its disk blocks (default 10; 0: do not wait)",
     ),
 ]
 

@@ -12,7 +12,7 @@ from typing import Any
 from kvsidecar.config import Config
 from kvsidecar.metrics import Metrics
 from kvsidecar.ssd import SsdDirLock, inventory, listed_keys, offload_environment, ttl_wait_seconds
-from kvsidecar.store import Presence, Store
+from kvsidecar.store import Presence, Store, StoreError
 from kvsidecar.tiers import TierSampler
 
 __all__ = ["DiskTier"]
@@ -23,6 +23,8 @@ MiB = 1 << 20
 _SAMPLE_EVERY_S = 5.0
 # Recovered keys are checked against the master in one batch at start, up to this many.
 _CHECK_KEYS = 200_000
+# ...and this many of them read back, spread over the directory.
+_READ_SAMPLES = 4
 
 
 class DiskTier:
@@ -50,13 +52,14 @@ class DiskTier:
 
     async def wait_for_master_to_forget(self) -> None:
         """External master: wait until it has expired the previous owner, else it keeps our blocks (upstream #3052)."""
-        wait = ttl_wait_seconds(self.lock.last_alive, self.config.master_client_ttl, time.time())
+        wait = ttl_wait_seconds(self.lock.last_alive, self.lock.stopped, self.config.master_client_ttl, time.time())
         if wait > 0 and self.found.buckets:
             log.info(
-                "disk tier %s: the previous daemon was alive %.1f s ago; waiting %.1f s for master %s to expire it "
-                "(its client TTL is %.0f s), else it would keep our %d blocks unreachable",
+                "disk tier %s: the previous daemon %s %.1f s ago; waiting %.1f s for master %s to expire it "
+                "(its client TTL is %.0f s, --master-client-ttl), else it would keep our %d blocks unreachable",
                 self.directory,
-                time.time() - (self.lock.last_alive or 0),
+                "stopped" if self.lock.stopped is not None else "was killed, last alive",
+                time.time() - (self.lock.stopped or self.lock.last_alive or 0),
                 wait,
                 self.config.master,
                 self.config.master_client_ttl,
@@ -73,6 +76,17 @@ class DiskTier:
             self.recovered = sum(p is Presence.PRESENT for p in presence)
             if len(keys) < self.found.keys:  # not all checked: scale the count
                 self.recovered = self.recovered * self.found.keys // max(1, len(keys))
+            present = [k for k, p in zip(keys, presence, strict=True) if p is Presence.PRESENT]
+            if present and not self._readable(store, present[:: max(1, len(present) // _READ_SAMPLES)]):
+                # Known to the master but not readable: it still maps them to the previous owner (upstream #3052).
+                log.warning(
+                    "disk tier %s: the master lists the blocks found on disk but cannot serve them (it still maps "
+                    "them to the previous daemon, Mooncake #3052); they come back after a restart that waits out its "
+                    "client TTL (--master-client-ttl %s s)",
+                    self.directory,
+                    self.config.master_client_ttl,
+                )
+                self.recovered = 0
         recovered_bytes = self.found.bytes * self.recovered // max(1, self.found.keys)
         self.metrics.disk_recovered_blocks.inc(self.recovered)
         self.metrics.disk_recovered_bytes.inc(recovered_bytes)
@@ -84,6 +98,17 @@ class DiskTier:
             store.health_note = note
         (log.warning if self.recovered < self.found.keys else log.info)(note)
         self.housekeep()
+
+    @staticmethod
+    def _readable(store: Store, keys: list[str]) -> bool:
+        readable = getattr(store, "readable", None)
+        if readable is None:
+            return True
+        try:
+            return all(readable(k) for k in keys)
+        except StoreError as exc:
+            log.warning("could not read back a recovered block: %s", exc)
+            return False
 
     def tiers(self, store: Store) -> Callable[[Sequence[str]], list[str]] | None:
         """The store's location query for tier-hit metrics, when it has one."""

@@ -11,7 +11,7 @@ Mooncake 0.3.13's SSD offload, as measured here (64 MiB segment, 1 MiB values, l
 - After a restart the owner scans its directory at setup and re-registers every object with the master (the bucket
   backend; the offset-allocator backend truncates its file). With an external master, an owner restarted within the
   master's --client_ttl recovers nothing, then or later (upstream #3052): the master still maps the keys to the dead
-  owner. Waiting until the TTL has passed since the old owner's last sign of life avoids it.
+  owner. Waiting a whole TTL once the old owner's process is gone avoids it.
 - Two owners sharing one directory corrupt its buckets: the directory is locked (flock) by its daemon.
 """
 
@@ -51,8 +51,11 @@ _BUCKET_SEGMENT_FRACTION = 32
 _MIN_BUCKET = 1 * MiB
 _MAX_BUCKET = 256 * MiB  # Mooncake's default
 _HEARTBEAT_S = 1  # Mooncake's minimum; its default of 10 s bounds the write rate into a full segment to a tenth
-# Extra wait past the master's client TTL: its expiry check runs on its own period.
-_TTL_MARGIN_S = 2.0
+# Extra wait past the master's client TTL: its expiry check runs once a second, and the old process may have
+# pinged for a moment after it let go of the lock.
+_TTL_MARGIN_S = 4.0
+# An owner whose lock file was last touched longer ago than this (plus the TTL) died long ago.
+_TOUCH_STALL_S = 30.0
 
 
 class SsdDirBusy(OSError):
@@ -82,11 +85,17 @@ def offload_environment(directory: str, size: int, buffer_size: int, segment_siz
     }
 
 
-def ttl_wait_seconds(last_alive: float | None, client_ttl_s: float, now: float) -> float:
-    """How long a new owner must wait before mounting so the master has forgotten the old one (upstream #3052)."""
-    if last_alive is None:
+def ttl_wait_seconds(last_alive: float | None, stopped: float | None, client_ttl_s: float, now: float) -> float:
+    """How long a new owner must wait before mounting so the master has forgotten the old one (upstream #3052).
+
+    The old owner's Mooncake client pings the master from its own threads until its process is gone, which can be
+    after its last recorded sign of life, even after a clean stop (the native client tears down at exit). The lock
+    is free, so that process is gone now at the latest: a recent owner means a whole TTL (plus margin) from now.
+    """
+    seen = max((t for t in (last_alive, stopped) if t is not None), default=None)
+    if client_ttl_s <= 0 or seen is None or now - seen > client_ttl_s + _TTL_MARGIN_S + _TOUCH_STALL_S:
         return 0.0
-    return max(0.0, last_alive + client_ttl_s + _TTL_MARGIN_S - now)
+    return client_ttl_s + _TTL_MARGIN_S
 
 
 class DiskInventory(NamedTuple):
@@ -184,6 +193,7 @@ class SsdDirLock:
     directory: Path
     file: IO[str]
     last_alive: float | None  # the previous owner's last sign of life, None for a fresh directory
+    stopped: float | None  # when the previous owner stopped cleanly; None if it was killed (or never ran)
 
     @classmethod
     def claim(cls, directory: str | os.PathLike[str]) -> SsdDirLock:
@@ -210,10 +220,12 @@ class SsdDirLock:
                 "directory (two owners corrupt each other's buckets)"
             ) from None
         f.seek(0)
+        stopped = _stopped_at(f.read())
+        f.seek(0)
         f.truncate()
         f.write(json.dumps({"pid": os.getpid(), "started": time.time()}) + "\n")
         f.flush()
-        return cls(path, f, last_alive)
+        return cls(path, f, last_alive, stopped)
 
     def touch(self) -> None:
         """Record that the owner is alive now."""
@@ -221,8 +233,21 @@ class SsdDirLock:
             os.utime(self.file.fileno())
 
     def release(self) -> None:
-        """Record the stop time and drop the lock."""
+        """Record the stop time (after the store is closed) and drop the lock."""
         if self.file.closed:
             return
+        with contextlib.suppress(OSError, ValueError):
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(json.dumps({"pid": os.getpid(), "stopped": time.time()}) + "\n")
+            self.file.flush()
         self.touch()
         self.file.close()
+
+
+def _stopped_at(text: str) -> float | None:
+    try:
+        stopped = json.loads(text).get("stopped")
+    except (ValueError, AttributeError):
+        return None
+    return float(stopped) if isinstance(stopped, (int, float)) else None

@@ -26,6 +26,7 @@ measured on 2 cores over loopback):
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -299,6 +300,20 @@ class MooncakeStore:
             return []
         found = self._call("batch_get_replica_desc", lambda n: n.batch_get_replica_desc(list(keys)))
         return [_tier(found.get(key, ())) for key in keys]
+
+    def readable(self, key: str) -> bool:
+        """Whether key's value can be read right now (into a scratch buffer): a check, not a data path."""
+        size = self._call("get_size", lambda n: n.get_size(key))
+        if size <= 0:
+            return False
+        scratch = ctypes.create_string_buffer(size)
+        address = ctypes.addressof(scratch)
+        self.register_buffer(address, size)
+        try:
+            read = self._call("get_into", lambda n: n.get_into(key, address, size))
+        finally:
+            self.unregister_buffer(address)
+        return bool(read == size)
 
     def health(self) -> StoreHealth:
         """Whether the client is open and its master answers; never raises, a closed store is unhealthy."""

@@ -68,11 +68,11 @@ def verify(rank: RawRank, r: int, prompts: int) -> dict[str, object]:
         h = prompt_hashes(p)
         hit = rank.lookup(h, TOKENS + 1)
         if hit.hit_tokens != TOKENS:
-            missing.append(p)
+            missing.append((p, f"hit {hit.hit_tokens}"))
             continue
         loaded = rank.load(h, dest, hit)
         if loaded.failures:
-            missing.append(p)
+            missing.append((p, sorted({f.reason for f in loaded.failures})))
             continue
         blocks = [rank.block(0, BLOCKS_PER_PROMPT + b) for b in range(BLOCKS_PER_PROMPT)]
         want = [pattern(f"r{r}/p{p}/g0/b{b}") for b in range(BLOCKS_PER_PROMPT)]

@@ -39,9 +39,12 @@ def test_offload_environment_uses_the_recovering_backend_capped_at_size():
 
 
 def test_ttl_wait():
-    assert ttl_wait_seconds(None, 10, 1000.0) == 0
-    assert ttl_wait_seconds(995.0, 10, 1000.0) == pytest.approx(7.0)  # 10 s TTL + 2 s margin from 995
-    assert ttl_wait_seconds(900.0, 10, 1000.0) == 0
+    assert ttl_wait_seconds(None, None, 10, 1000.0) == 0  # a fresh directory
+    # A recent owner, stopped or killed, may have pinged the master until just now: a whole TTL + 4 s from now.
+    assert ttl_wait_seconds(999.0, 995.0, 10, 1000.0) == pytest.approx(14.0)
+    assert ttl_wait_seconds(995.0, None, 10, 1000.0) == pytest.approx(14.0)
+    assert ttl_wait_seconds(900.0, 900.0, 10, 1000.0) == 0  # gone for long
+    assert ttl_wait_seconds(999.0, None, 0, 1000.0) == 0  # told not to wait
 
 
 def _meta(keys: list[str]) -> bytes:
@@ -72,7 +75,7 @@ def test_a_directory_has_one_owner_and_is_free_again_when_it_dies(tmp_path):
         SsdDirLock.claim(tmp_path / "ssd")
     first.release()
     again = SsdDirLock.claim(tmp_path / "ssd")
-    assert again.last_alive is not None
+    assert again.last_alive is not None and again.stopped is not None  # a clean stop says when
     again.release()
     # A process killed outright leaves the file, never the lock.
     holder = subprocess.Popen(
@@ -87,7 +90,9 @@ def test_a_directory_has_one_owner_and_is_free_again_when_it_dies(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    SsdDirLock.claim(tmp_path / "ssd").release()
+    after_kill = SsdDirLock.claim(tmp_path / "ssd")
+    assert after_kill.stopped is None  # killed: no stop time
+    after_kill.release()
     assert (tmp_path / "ssd" / LOCK_NAME).exists()
 
 
