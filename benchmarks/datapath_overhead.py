@@ -16,14 +16,14 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from kvsidecar import wire
-from kvsidecar.bench.lookup import _layout
-from kvsidecar.bench.shapes import GQA, MLA, EngineMemory, Request, hashes_for
 from kvsidecar.datapath import DataPath
 from kvsidecar.memory import SessionMemory, region_specs
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import Role, SessionRegistry
 from kvsidecar.store import Presence, StoreCode, StoreHealth
 from kvsidecar.store.base import check_batch_shapes
+from kvsidecar_bench.lookup import _layout
+from kvsidecar_bench.shapes import GQA, MLA, EngineMemory, Request, hashes_for
 from kvsidecar_client.memory import describe_regions
 
 

@@ -15,16 +15,12 @@ import argparse
 import concurrent.futures
 import contextlib
 import ctypes
-import hashlib
 import os
 import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -35,14 +31,15 @@ from kvsidecar_contract.paths import default_socket_path
 if TYPE_CHECKING:
     import torch
 
+    from kvsidecar.testing.oracle import Prompt
     from kvsidecar_client import GroupSpec, Hit, SidecarClient
+    from kvsidecar_contract.placement import Layout
 
 MODEL = "kvsidecar-demo/hybrid-tiny"
 HASH_BLOCK = 16  # U: tokens per block hash, and per physical block of every group
 WINDOW = 32  # tokens the sliding-window layers attend to
 NUM_KV_HEADS = 1  # of the sliding-window layers
 NUM_BLOCKS = 64  # per KV-cache tensor of each rank
-POISON = 0xA5  # what a cleared cache holds
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
@@ -96,43 +93,26 @@ def _serving(target: str, timeout: float = 1.0) -> bool:
 @contextlib.contextmanager
 def _daemon(socket_path: str) -> Iterator[str]:
     """The daemon's target: the one at socket_path, or one started here for the demo's duration."""
+    from kvsidecar.testing.processes import Daemon
+
     target = f"unix://{socket_path}"
     if os.path.exists(socket_path) and _serving(target):
         print(f"daemon: {target}")
         yield target
         return
     folder = tempfile.mkdtemp(prefix="kvsidecar-demo-")
-    own = os.path.join(folder, "kvsidecar.sock")
-    command = [
-        sys.executable, "-m", "kvsidecar", "serve", "--socket", own, "--metrics-address", "127.0.0.1:0",
-        "--segment-size", "64MiB", "--local-buffer-size", "16MiB", "--log-level", "warning",
-    ]  # fmt: skip
-    log_path = os.path.join(folder, "daemon.log")
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    daemon = Daemon(Path(folder), session_ttl=None, log_level="warning")
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (os.path.exists(own) and _serving(f"unix://{own}")):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise DemoError(f"the daemon started for the demo did not come up:\n{_tail(log_path)}")
-            time.sleep(0.1)
-        print(f"daemon: none answers at {socket_path}; started one for this demo (pid {proc.pid}, embedded master)")
-        yield f"unix://{own}"
+        try:
+            daemon.start(START_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            raise DemoError(f"the daemon started for the demo did not come up: {exc}") from None
+        print(f"daemon: none answers at {socket_path}; started one for this demo (pid {daemon.pid}, embedded master)")
+        yield daemon.target
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        code = daemon.stop(STOP_TIMEOUT_S)
         shutil.rmtree(folder, ignore_errors=True)
-        print(f"daemon: stopped the one started for this demo (exit {proc.returncode})")
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+        print(f"daemon: stopped the one started for this demo (exit {code})")
 
 
 # ---- the simulated engine -------------------------------------------------------------------------------------------
@@ -148,46 +128,16 @@ def _groups() -> list[GroupSpec]:
     ]
 
 
-def _holder(group: int, rank: int, tp: int) -> str:
-    """What a rank truly holds for a group: who else holds the same bytes."""
-    if group == 0:
-        return "latent"  # replicated on every rank
-    if group == 1:
-        return f"kv-head-{rank * NUM_KV_HEADS // tp}" if tp > NUM_KV_HEADS else f"kv-heads-of-rank-{rank}"
-    return f"state-shard-{rank}"  # Mamba state is sharded by head/dim
+def _layout(tp: int, rank: int = 0) -> Layout:
+    """The engine as the byte oracle sees it."""
+    from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
 
-
-def _tag(run_id: str, group: int, tensor: int, holder: str, end: int, hashes: list[bytes]) -> str:
-    return f"{run_id}|{group}|{tensor}|{holder}|{end}|{hashes[end // HASH_BLOCK - 1].hex()}"
-
-
-def _cold_tags(run_id: str, tensor: int, rank: int, tp: int, num_tokens: int, hashes: list[bytes]) -> dict[int, str]:
-    """After the prefill: block k holds tokens (or the state) up to min((k + 1) * 16, last complete unit)."""
-    group = TENSORS[tensor][0]
-    end = num_tokens - num_tokens % HASH_BLOCK
-    holder = _holder(group, rank, tp)
-    return {
-        k: _tag(run_id, group, tensor, holder, min((k + 1) * HASH_BLOCK, end), hashes)
-        for k in range(-(-end // HASH_BLOCK))
-    }
-
-
-def _warm_tags(
-    run_id: str, tensor: int, rank: int, tp: int, hit: int, cold: dict[int, str], hashes: list[bytes]
-) -> dict[int, str]:
-    """After loading a hit: the blocks the engine attends to at the hit end, or the state at exactly the hit."""
-    if hit == 0:
-        return {}
-    group = TENSORS[tensor][0]
-    last = (hit - 1) // HASH_BLOCK
-    if group == 2:
-        return {last: _tag(run_id, group, tensor, _holder(group, rank, tp), hit, hashes)}
-    first = max(0, hit - WINDOW) // HASH_BLOCK if group == 1 else 0
-    return {k: cold[k] for k in range(first, last + 1)}
-
-
-def _pattern(tag: str, size: int) -> bytes:
-    return hashlib.shake_256(tag.encode()).digest(size)
+    groups = (
+        GroupSpec(Kind.MLA, HASH_BLOCK),
+        GroupSpec(Kind.SLIDING_WINDOW, HASH_BLOCK, window=WINDOW),
+        GroupSpec(Kind.MAMBA, HASH_BLOCK),
+    )
+    return Layout(MODEL, groups, Parallel(tp, rank), NUM_KV_HEADS, HASH_BLOCK)
 
 
 class _Rank:
@@ -219,8 +169,10 @@ class _Rank:
         return view.data_ptr(), view.numel() * view.element_size()
 
     def clear(self) -> None:
+        from kvsidecar.testing import oracle
+
         for t in self.tensors:
-            ctypes.memset(t.data_ptr(), POISON, t.numel() * t.element_size())
+            ctypes.memset(t.data_ptr(), oracle.POISON, t.numel() * t.element_size())
 
     def close(self) -> None:
         self.client.close()
@@ -235,13 +187,16 @@ def _warm_ids(num_tokens: int) -> list[list[int]]:
     return [[NUM_BLOCKS - 1 - k for k in range(-(-num_tokens // HASH_BLOCK))]] * 3
 
 
-def _cold(rank: _Rank, run_id: str, num_tokens: int, hashes: list[bytes]) -> str:
-    ids = _cold_ids(num_tokens)
+def _cold(rank: _Rank, prompt: Prompt) -> str:
+    from kvsidecar.testing import oracle
+
+    ids = _cold_ids(prompt.num_tokens)
+    layout = _layout(rank.tp, rank.rank)
     for t, (group, _, _) in enumerate(TENSORS):
-        for k, tag in _cold_tags(run_id, t, rank.rank, rank.tp, num_tokens, hashes).items():
+        for k, tag in oracle.cold_block_tags(layout, group, t, oracle.RankId(rank.rank), prompt).items():
             address, size = rank.block(t, ids[group][k])
-            ctypes.memmove(address, _pattern(tag, size), size)
-    saved = rank.client.save(hashes, ids, num_tokens).result()
+            ctypes.memmove(address, oracle.pattern(tag, size), size)
+    saved = rank.client.save(prompt.hashes, ids, prompt.num_tokens).result()
     line = f"  rank {rank.rank}: saved {saved.written} blocks ({_size(saved.bytes_written)})"
     if saved.striped_to_others:
         line += f", {saved.striped_to_others} replicated ones left to the other ranks"
@@ -250,17 +205,19 @@ def _cold(rank: _Rank, run_id: str, num_tokens: int, hashes: list[bytes]) -> str
     return line
 
 
-def _warm(rank: _Rank, run_id: str, num_tokens: int, hashes: list[bytes], hit: Hit) -> tuple[str, int, int]:
-    ids = _warm_ids(num_tokens)
-    loaded = rank.client.load_detailed(hashes, ids, hit)
+def _warm(rank: _Rank, prompt: Prompt, hit: Hit) -> tuple[str, int, int]:
+    from kvsidecar.testing import oracle
+
+    ids = _warm_ids(prompt.num_tokens)
+    loaded = rank.client.load_detailed(prompt.hashes, ids, hit)
+    layout = _layout(rank.tp, rank.rank)
     mismatches = 0
     for t, (group, _, _) in enumerate(TENSORS):
-        cold = _cold_tags(run_id, t, rank.rank, rank.tp, num_tokens, hashes)
-        tags = _warm_tags(run_id, t, rank.rank, rank.tp, hit.hit_tokens, cold, hashes)
+        tags = oracle.warm_block_tags(layout, group, t, oracle.RankId(rank.rank), prompt, hit.hit_tokens)
         want = {ids[group][k]: tag for k, tag in tags.items()}
         for block in range(NUM_BLOCKS):
             address, size = rank.block(t, block)
-            expected = _pattern(want[block], size) if block in want else bytes([POISON]) * size
+            expected = oracle.pattern(want[block], size) if block in want else bytes([oracle.POISON]) * size
             mismatches += ctypes.string_at(address, size) != expected
     failed = len(loaded.failures)
     line = (
@@ -274,20 +231,14 @@ def _size(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _hashes(run_id: str, num_tokens: int) -> list[bytes]:
-    out, prev = [], b""
-    for i in range(num_tokens // HASH_BLOCK):
-        prev = hashlib.sha256(prev + f"{run_id}:{i}".encode()).digest()
-        out.append(prev)
-    return out
-
-
 def _demo(target: str, tp: int, num_tokens: int) -> int:
+    from kvsidecar.testing.oracle import Prompt
     from kvsidecar_client import EngineLayout, SidecarClient, SidecarError
 
     run_id = secrets.token_hex(4)
     cache_prefix = f"kvsidecar-demo-{run_id}"  # this run's blocks only; removed at the end
-    hashes = _hashes(run_id, num_tokens)
+    prompt = Prompt(run_id, num_tokens, HASH_BLOCK)
+    hashes = prompt.hashes
     groups = ", ".join(f"{g.kind}{f':{g.window}' if g.window else ''}/{g.block_size}" for g in _groups())
     print(f"engine: {MODEL}, TP={tp}, groups {groups}, U={HASH_BLOCK}; a prompt of {num_tokens} tokens")
     ranks: list[_Rank] = []
@@ -306,7 +257,7 @@ def _demo(target: str, tp: int, num_tokens: int) -> int:
 
         hit = scheduler.lookup(hashes, num_tokens, miss_on_unavailable=False)
         print(f"cold pass: lookup hit {hit.hit_tokens} of {num_tokens} tokens; every rank prefills and saves")
-        for line in pool.map(lambda r: _cold(r, run_id, num_tokens, hashes), ranks):
+        for line in pool.map(lambda r: _cold(r, prompt), ranks):
             print(line)
 
         for rank in ranks:
@@ -317,7 +268,7 @@ def _demo(target: str, tp: int, num_tokens: int) -> int:
         if hit.degraded:
             print(f"  the lookup is degraded: {hit.detail} (see `kvsidecar status`)")
         failed = mismatched = 0
-        for line, rank_failed, rank_mismatched in pool.map(lambda r: _warm(r, run_id, num_tokens, hashes, hit), ranks):
+        for line, rank_failed, rank_mismatched in pool.map(lambda r: _warm(r, prompt, hit), ranks):
             print(line)
             failed += rank_failed
             mismatched += rank_mismatched

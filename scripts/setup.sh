@@ -34,5 +34,6 @@ fi
 
 # The CPU torch wheel first, so the daemon's torch>=2.4 is already satisfied and pip pulls no CUDA packages.
 "$VENV/bin/python" -c 'import torch' 2>/dev/null || pip install "torch==2.13.0"
-pip install -e ./contract -e ./client -e ".[$FLAVOUR,test]"
+# The bench is a distribution of its own (benchmarks/): it measures the installed daemon from outside.
+pip install -e ./contract -e ./client -e ".[$FLAVOUR,test]" -e ./benchmarks
 echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import kvsidecar; print(kvsidecar.__version__)'))"

@@ -4,38 +4,40 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from kvsidecar.master import EmbeddedMaster
 from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
+from kvsidecar.testing.mooncake_env import MooncakeEnv
 
 # --- Mooncake: one real master per session, stores connected to it -------------------------------------------------
 
-# Mooncake's client reads its own environment when it is set up.
-MOONCAKE_CLIENT_ENV = {
-    "MC_TCP_BIND_ADDRESS": "127.0.0.1",  # else the client advertises eth0 and leaves loopback
-    "MC_LOG_LEVEL": "ERROR",
-    "MC_STORE_CLIENT_SETUP_RETRIES": "1",  # a missing master fails setup in ~4 s instead of ~90 s
-}
 TEST_SEGMENT_SIZE = 64 << 20
 
 
 @pytest.fixture(scope="session")
-def mooncake_client_env() -> Iterator[None]:
-    """Mooncake's client environment for the whole session (tests are the edge that sets it)."""
+def mooncake_client_env() -> Iterator[MooncakeEnv]:
+    """Mooncake's client environment for the whole session (tests are the edge that sets it), and its private tmp."""
+    tempfile.gettempdir()  # Python's own temporary files (pytest's included) stay where they were
+    env = MooncakeEnv()
     with pytest.MonkeyPatch.context() as mp:
-        for name, value in MOONCAKE_CLIENT_ENV.items():
+        for name, value in env.variables().items():
             mp.setenv(name, value)
-        yield
+        yield env
+    left = env.close()
+    if left:
+        warnings.warn(f"Mooncake left {len(left)} files in its temporary folder (removed): {left[:5]}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")
-def mooncake_master() -> Iterator[EmbeddedMaster]:
+def mooncake_master(mooncake_client_env: MooncakeEnv) -> Iterator[EmbeddedMaster]:
     """A real mooncake_master on free loopback ports, stopped (and checked gone by PID) at the end."""
-    master = EmbeddedMaster().start()
+    master = EmbeddedMaster(env=mooncake_client_env.variables()).start()
     pid = master.pid
     assert pid is not None
     try:

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.processes import DaemonProcess
+from kvsidecar.testing.processes import Daemon
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def demo(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def open_sessions(daemon: DaemonProcess) -> float:
+def open_sessions(daemon: Daemon) -> float:
     with urllib.request.urlopen(daemon.metrics_url, timeout=5) as reply:
         text = reply.read().decode()
     return sum(
@@ -37,7 +37,7 @@ def open_sessions(daemon: DaemonProcess) -> float:
 
 
 def test_demo_against_a_running_daemon(mooncake_master, tmp_path):
-    daemon = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    daemon = Daemon(tmp_path, master=mooncake_master.address).start()
     try:
         done = demo("--socket", daemon.socket)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -1,10 +1,10 @@
 """Fuzzing layouts end to end: every rank of a random engine saves a prompt, a lookup hits it, every rank loads it.
 
-The bytes each rank writes come from the engine-side oracle (`support.blockbytes`: what a rank holds for its heads,
-latent, state shard, sequence slice and stage), never from the placement rules; so a load that brings back a block
-another replication set wrote is caught as foreign bytes, and any other wrong byte as corruption. The hit length is
-checked against rule 9 stated from the outside (everything saved: the prompt's last U boundary, rounded down to the
-hit alignment), and every write outside the loaded blocks' slices is caught by the guarded segments.
+The bytes each rank writes come from the engine-side oracle (`kvsidecar.testing.oracle`: what a rank holds for its
+heads, latent, state shard, sequence slice and stage), never from the placement rules; so a load that brings back a
+block another replication set wrote is caught as foreign bytes, and any other wrong byte as corruption. The hit length
+is checked against rule 9 stated from the outside (everything saved: the prompt's last U boundary, rounded down to
+the hit alignment), and every write outside the loaded blocks' slices is caught by the guarded segments.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from kvsidecar.testing import oracle
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support import blockbytes
 from support.fuzzsessions import Guarded, check_memory, close_all
 from support.fuzzstrategies import chain, valid_open_requests
 from support.fuzzwire import check_clean, fuzz_settings
@@ -53,12 +53,12 @@ def test_fuzz_every_rank_of_any_layout_loads_its_replication_sets_bytes(fuzz_dae
     # every prefix of the prompt to have its own hash.
     req.hash_bytes = max(req.hash_bytes, 8)
     u = req.hash_block_size
-    views = blockbytes.views(req)
+    views = oracle.views(req)
     sizes = [max(1, v.span // u) * SUB_SLICE for v in views]
     k = data.draw(st.integers(1, 12))
     tokens = k * u + data.draw(st.integers(0, u - 1))
     hashes = chain(secrets.token_hex(4), k, req.hash_bytes)
-    layout = blockbytes.layout_of(req)
+    layout = oracle.layout_of(req)
     sessions: list[str] = []
     segments: list[GuardedSegment] = []
     ranks = []
@@ -78,11 +78,11 @@ def test_fuzz_every_rank_of_any_layout_loads_its_replication_sets_bytes(fuzz_dae
             sid = opened.response.session_id
             regs = [region(segment, geo, [g]) for g, geo in enumerate(geos)]
             check_clean(wire.rpc("RegisterMemory", pb.RegisterMemoryRequest(session_id=sid, regions=regs)), {OK})
-            idents = [blockbytes.identity(req.engine.model, layout, g, *rank) for g in range(len(views))]
+            idents = [oracle.identity(req.engine.model, layout, g, *rank) for g in range(len(views))]
             ranks.append((rank, sid, Guarded(sid, [[(segment, geo)] for geo in geos], [segment]), idents))
             for g, (view, geo) in enumerate(zip(views, geos, strict=True)):
                 for i in range(tokens // view.span + 1):
-                    data_ = blockbytes.computed_block(idents[g], view, u, hashes, i, tokens, geo.block_bytes)
+                    data_ = oracle.computed_block(idents[g], view, u, hashes, i, tokens, geo.block_bytes)
                     segment.write(geo.slice_of(i)[0], data_)
             unit = opened.response.hit_alignment_tokens
         src = [pb.BlockIds(ids=list(range(tokens // v.span + 1))) for v in views]
@@ -107,7 +107,7 @@ def test_fuzz_every_rank_of_any_layout_loads_its_replication_sets_bytes(fuzz_dae
                 for regions_ in owner.groups:
                     for _, geo in regions_:
                         for b in range(16, NUM_BLOCKS):
-                            seg.write(geo.slice_of(b)[0], bytes([blockbytes.POISON]) * geo.block_bytes)
+                            seg.write(geo.slice_of(b)[0], bytes([oracle.POISON]) * geo.block_bytes)
             load = pb.LoadRequest(
                 session_id=sid,
                 block_hashes=hashes,
@@ -127,24 +127,22 @@ def test_fuzz_every_rank_of_any_layout_loads_its_replication_sets_bytes(fuzz_dae
 
 
 def expected(ident, view, u, hashes, index, hit: pb.LookupResponse, tail, n):
-    return blockbytes.expected_loaded(ident, view, u, hashes, index, hit.hit_tokens, tail, n)
+    return oracle.expected_loaded(ident, view, u, hashes, index, hit.hit_tokens, tail, n)
 
 
 def verify_rank(rank, owner: Guarded, idents, others, views, u, hashes, hit: pb.LookupResponse) -> None:
     """Every block the engine needs holds this rank's bytes; every other receiving block is still poison."""
     for g, view in enumerate(views):
         segment, geo = owner.groups[g][0]
-        needed = blockbytes.needed_blocks(view, hit.hit_tokens)
+        needed = oracle.needed_blocks(view, hit.hit_tokens)
         tail = hit.tail_boundaries[g]
         for i in range(NUM_BLOCKS - 16):
             start, _ = geo.slice_of(16 + i)
             got = segment.read(start, geo.block_bytes)
             if i not in needed:
-                assert got == bytes([blockbytes.POISON]) * geo.block_bytes, f"rank {rank} group {g}: block {i} written"
+                assert got == bytes([oracle.POISON]) * geo.block_bytes, f"rank {rank} group {g}: block {i} written"
                 continue
-            for offset, want in blockbytes.expected_loaded(
-                idents[g], view, u, hashes, i, hit.hit_tokens, tail, len(got)
-            ):
+            for offset, want in oracle.expected_loaded(idents[g], view, u, hashes, i, hit.hit_tokens, tail, len(got)):
                 if got[offset : offset + len(want)] == want:
                     continue
                 foreign = [
@@ -153,9 +151,7 @@ def verify_rank(rank, owner: Guarded, idents, others, views, u, hashes, hit: pb.
                     if o[g] != idents[g]
                     and any(
                         got[off : off + len(w)] == w
-                        for off, w in blockbytes.expected_loaded(
-                            o[g], view, u, hashes, i, hit.hit_tokens, tail, len(got)
-                        )
+                        for off, w in oracle.expected_loaded(o[g], view, u, hashes, i, hit.hit_tokens, tail, len(got))
                     )
                 ]
                 kind = "FOREIGN bytes (another replication set's)" if foreign else "CORRUPTED bytes"

@@ -7,14 +7,15 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
 import pytest
 
+from kvsidecar.testing.hashes import chained_hashes
+from kvsidecar.testing.processes import Daemon
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support.processes import DaemonProcess
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -23,13 +24,7 @@ BLOCK = 4096
 
 
 def hashes(n: int, salt: str = "") -> list[bytes]:
-    import hashlib
-
-    out, prev = [], b""
-    for i in range(n):
-        prev = hashlib.sha256(prev + f"{salt}:{i}".encode()).digest()
-        out.append(prev)
-    return out
+    return chained_hashes(salt, n)
 
 
 def pattern(tag: str, block: int = BLOCK) -> bytes:
@@ -41,7 +36,7 @@ def pattern(tag: str, block: int = BLOCK) -> bytes:
 
 @pytest.fixture
 def daemon(mooncake_master, tmp_path):
-    d = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    d = Daemon(tmp_path, master=mooncake_master.address).start()
     yield d
     assert d.stop() == 0, d.log()
 
@@ -303,7 +298,12 @@ def test_status_command(daemon, ranks):
 
 def test_session_of_a_silent_rank_expires(daemon, ranks):
     rank = ranks(open_request([group("mla", 16)], model="org/Expire"))
-    time.sleep(5)  # --session-ttl 3, housekeeping every second
+
+    def sessions_gone() -> bool:  # read from the metrics: a request of the rank's would renew its lease
+        text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+        return 'kvsidecar_sessions{role="rank"} 0.0' in text
+
+    wait_until(sessions_gone, timeout=15, what="the silent rank's session expired")  # --session-ttl 3
     with pytest.raises(grpc.RpcError) as err:
         rank.lookup(hashes(1), 17)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -317,7 +317,7 @@ def test_stale_socket_is_taken_over_and_a_live_one_is_not(mooncake_master, tmp_p
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
     stale.close()  # a crashed daemon leaves its socket file behind
-    d = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    d = Daemon(tmp_path, master=mooncake_master.address).start()
     try:
         assert oct(os.stat(path).st_mode & 0o777) == "0o660"
         second = subprocess.run(

@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.metric_names import metric_names_in_deploy, sample_names
 from kvsidecar.master import EmbeddedMaster
+from kvsidecar.testing.processes import Daemon, free_port, stop_pid
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support.processes import DaemonProcess, free_port, stop_pid
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -36,6 +37,16 @@ def alive(pid: int) -> bool:
     return True
 
 
+def wait_ready_line(proc: subprocess.Popen[bytes], log) -> None:
+    """Until the daemon logs its ready line; it must not exit meanwhile."""
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text()
+        return "ready:" in log.read_text()
+
+    wait_until(ready, timeout=60, what="the daemon's ready line", detail=log.read_text)
+
+
 def test_no_flags_starts_an_embedded_master_and_stops_it(tmp_path):
     """`kvsidecar serve` as the README runs it (only the paths moved into a temp dir, the port off the default)."""
     sock = tmp_path / "kvsidecar.sock"
@@ -52,10 +63,7 @@ def test_no_flags_starts_an_embedded_master_and_stops_it(tmp_path):
         )
     try:
         default_sock = tmp_path / "kvsidecar" / "kvsidecar.sock"
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
+        wait_ready_line(proc, log)
         ready = next(line for line in log.read_text().splitlines() if "ready:" in line)
         assert f"grpc unix://{default_sock}" in ready
         assert f"metrics http://127.0.0.1:{port}/metrics" in ready
@@ -78,7 +86,7 @@ def test_no_flags_starts_an_embedded_master_and_stops_it(tmp_path):
 
 def test_master_killed_and_restarted(tmp_path):
     master = EmbeddedMaster(rpc_port=free_port(), metrics_port=free_port()).start()
-    daemon = DaemonProcess(tmp_path, master=master.address).start()
+    daemon = Daemon(tmp_path, master=master.address).start()
     rank = RawRank(daemon.target, open_request([group("mla", 16), group("mamba", 16)], model="org/Restart"), 16, 1024)
     try:
         rank.register()
@@ -89,37 +97,40 @@ def test_master_killed_and_restarted(tmp_path):
         hit = rank.lookup(H[:4], 65)
         assert hit.hit_tokens == 64
 
-        os.kill(master.pid, 9)
-        started = time.monotonic()
-        miss = rank.lookup(H[:4], 65)
-        assert (miss.hit_tokens, miss.degraded) == (0, True)
-        save = rank.save(H[:4] + H[4:6], [[0, 1, 2, 3, 4, 5]] * 2, 96)
-        assert save.written == 0 and save.failed > 0
-        load = rank.load(H[:4], [[8, 9, 10, 11], [12, 13, 14, 15]], hit)
-        assert load.loaded == 0 and len(load.failures) == 5
-        assert time.monotonic() - started < 30, "nothing may hang while the master is down"
+        with rank.kept_alive():  # the rank waits with the test below; an engine's client keeps its lease meanwhile
+            os.kill(master.pid, 9)
+            started = time.monotonic()
+            miss = rank.lookup(H[:4], 65)
+            assert (miss.hit_tokens, miss.degraded) == (0, True)
+            save = rank.save(H[:4] + H[4:6], [[0, 1, 2, 3, 4, 5]] * 2, 96)
+            assert save.written == 0 and save.failed > 0
+            load = rank.load(H[:4], [[8, 9, 10, 11], [12, 13, 14, 15]], hit)
+            assert load.loaded == 0 and len(load.failures) == 5
+            assert time.monotonic() - started < 30, "nothing may hang while the master is down"
 
-        master.restart()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            status = subprocess.run(
-                [sys.executable, "-m", "kvsidecar", "status", "--socket", daemon.socket, "--quiet"], timeout=30
-            )
-            if status.returncode == 0:
-                break
-            time.sleep(0.5)
-        assert status.returncode == 0, daemon.log()[-3000:]
-        # The restarted master kept nothing: a miss, then the rank's next save stores everything again.
-        assert rank.lookup(H[:4], 65).hit_tokens == 0
-        deadline = time.monotonic() + 20
-        while (again := rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)).written + again.skipped < 8:
-            assert time.monotonic() < deadline, again  # -200 until the daemon's segment is mounted again
-            time.sleep(0.5)
-        hit = rank.lookup(H[:4], 65)
-        assert hit.hit_tokens == 64
-        assert not rank.load(H[:4], [[8, 9, 10, 11], [12, 13, 14, 15]], hit).failures
-        assert rank.block(0, 9) == bytes([2]) * 1024
-        assert rank.block(1, 15) == bytes([14]) * 1024
+            master.restart()
+            wait_until(
+                lambda: subprocess.run(
+                    [sys.executable, "-m", "kvsidecar", "status", "--socket", daemon.socket, "--quiet"], timeout=30
+                ).returncode
+                == 0,
+                timeout=30, what="kvsidecar status healthy again", detail=lambda: daemon.log()[-3000:],
+            )  # fmt: skip
+            # The restarted master kept nothing: a miss, then the rank's next save stores everything again.
+            assert rank.lookup(H[:4], 65).hit_tokens == 0
+            saved = []
+
+            def stored_everything() -> bool:
+                saved.append(again := rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64))
+                return again.written + again.skipped == 8
+
+            # -200 until the daemon's segment is mounted again
+            wait_until(stored_everything, timeout=20, what="a save stores all 8 blocks", detail=lambda: str(saved[-1]))
+            hit = rank.lookup(H[:4], 65)
+            assert hit.hit_tokens == 64
+            assert not rank.load(H[:4], [[8, 9, 10, 11], [12, 13, 14, 15]], hit).failures
+            assert rank.block(0, 9) == bytes([2]) * 1024
+            assert rank.block(1, 15) == bytes([14]) * 1024
     finally:
         rank.close()
         assert daemon.stop() == 0, daemon.log()[-3000:]
@@ -127,7 +138,7 @@ def test_master_killed_and_restarted(tmp_path):
 
 
 def test_every_metric_the_deploy_tree_uses_is_exported(mooncake_master, tmp_path):
-    daemon = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    daemon = Daemon(tmp_path, master=mooncake_master.address).start()
     try:
         body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     finally:
@@ -139,7 +150,7 @@ def test_every_metric_the_deploy_tree_uses_is_exported(mooncake_master, tmp_path
 
 
 def test_scheduler_sessions_show_in_the_sessions_gauge(mooncake_master, tmp_path):
-    daemon = DaemonProcess(tmp_path, master=mooncake_master.address).start()
+    daemon = Daemon(tmp_path, master=mooncake_master.address).start()
     sched = RawRank(daemon.target, open_request([group("mla", 16)], role=pb.ROLE_SCHEDULER))
     try:
         body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
@@ -159,19 +170,13 @@ def test_a_daemon_killed_outright_takes_its_embedded_master_along(tmp_path):
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
+        wait_ready_line(proc, log)
         masters = children(proc.pid)
         assert masters
     finally:
         proc.kill()
         proc.wait(10)
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in masters) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(pid) for pid in masters), "an orphaned mooncake_master survived its daemon"
+    wait_until(lambda: not any(alive(pid) for pid in masters), timeout=10, what="an orphaned mooncake_master gone")
 
 
 def test_the_embedded_master_is_restarted_when_it_dies(tmp_path):
@@ -186,26 +191,19 @@ def test_the_embedded_master_is_restarted_when_it_dies(tmp_path):
         )  # fmt: skip
     rank = None
     try:
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
+        wait_ready_line(proc, log)
         (first,) = children(proc.pid)
         rank = RawRank(f"unix://{sock}", open_request([group("mla", 16)], model="org/Supervised"), 4, 1024)
         rank.register()
-        os.kill(first, 9)
-        deadline = time.monotonic() + 30
-        while "restarted as PID" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
-        assert first not in children(proc.pid) and children(proc.pid)
-        # The store reconnects by itself; the next saves land in the new master.
-        rank.fill_block(0, 0, b"m" * 1024)
-        deadline = time.monotonic() + 30
-        while rank.save(H[:1], [[0]], 16).written != 1:
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        assert rank.lookup(H[:1], 17).hit_tokens == 16
+        with rank.kept_alive():  # the rank waits with the test, as an engine's client would, keeping its lease
+            os.kill(first, 9)
+            tail = lambda: log.read_text()[-3000:]  # noqa: E731
+            wait_until(lambda: "restarted as PID" in log.read_text(), timeout=30, what="master restart", detail=tail)
+            assert first not in children(proc.pid) and children(proc.pid)
+            # The store reconnects by itself; the next saves land in the new master.
+            rank.fill_block(0, 0, b"m" * 1024)
+            wait_until(lambda: rank.save(H[:1], [[0]], 16).written == 1, timeout=30, what="a save", detail=tail)
+            assert rank.lookup(H[:1], 17).hit_tokens == 16
     finally:
         if rank is not None:
             rank.close()
@@ -219,7 +217,7 @@ def test_the_daemon_tells_systemd_when_it_is_ready_and_when_it_stops(mooncake_ma
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
     listener.settimeout(30)
-    daemon = DaemonProcess(tmp_path, master=mooncake_master.address, env={"NOTIFY_SOCKET": str(notify_path)})
+    daemon = Daemon(tmp_path, master=mooncake_master.address, env={"NOTIFY_SOCKET": str(notify_path)})
     try:
         daemon.start()
         ready = listener.recv(4096).decode()

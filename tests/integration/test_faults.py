@@ -15,12 +15,12 @@ import torch
 
 from kvsidecar.master import EmbeddedMaster
 from kvsidecar.store import StoreCode
+from kvsidecar.testing.processes import Daemon, StorageNode
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar_client import DaemonUnavailable, EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, block_key
-from support.processes import DaemonProcess
 from support.rawrank import RawRank, group, open_request
-from support.storage_node import StorageNode
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def hashes(n: int, salt: int) -> list[bytes]:
     return [(salt * 1000 + i).to_bytes(32, "big") for i in range(n)]
 
 
-def metric(daemon: DaemonProcess, line_prefix: str) -> float:
+def metric(daemon: Daemon, line_prefix: str) -> float:
     body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(line_prefix)]
     return sum(values)
@@ -45,7 +45,7 @@ def own_master():
 
 
 def test_full_store_fails_saves_softly_and_keeps_serving(own_master, tmp_path):
-    daemon = DaemonProcess(tmp_path, master=own_master.address, extra=("--segment-size", "16MiB")).start()
+    daemon = Daemon(tmp_path, master=own_master.address, extra=("--segment-size", "16MiB")).start()
     rank = RawRank(daemon.target, open_request([group("mla", 16)], model="org/Full"), num_blocks=48, block_bytes=MiB)
     try:
         rank.register()
@@ -73,7 +73,7 @@ def test_full_store_fails_saves_softly_and_keeps_serving(own_master, tmp_path):
 
 
 def test_a_hit_is_protected_by_its_lease_until_the_load(own_master, tmp_path, connect_mooncake, mooncake_settings):
-    daemon = DaemonProcess(tmp_path, master=own_master.address).start()
+    daemon = Daemon(tmp_path, master=own_master.address).start()
     rank = RawRank(daemon.target, open_request([group("full_attention", 16)], model="org/Lease"), 8, 4096)
     other = connect_mooncake(mooncake_settings(own_master, global_segment_size=0))
     try:
@@ -101,7 +101,7 @@ def test_a_hit_is_protected_by_its_lease_until_the_load(own_master, tmp_path, co
 def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_master, tmp_path):
     node = StorageNode(own_master.address, tmp_path).start()
     daemon_args = ("--segment-size", "0")  # the storage node holds the data, so it outlives the daemon
-    daemon = DaemonProcess(tmp_path, master=own_master.address, extra=daemon_args).start()
+    daemon = Daemon(tmp_path, master=own_master.address, extra=daemon_args).start()
     kv = shared_tensor((64, 16, 512), torch.float32)  # 32 KiB blocks
     client = SidecarClient.connect(
         daemon.target, model="org/Crash", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
@@ -127,11 +127,14 @@ def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_m
         with pytest.raises(DaemonUnavailable):
             client.load(early, [list(range(56, 64))], before)
 
-        daemon = DaemonProcess(tmp_path, master=own_master.address, extra=daemon_args).start()
-        deadline = time.monotonic() + 30
-        while (hit := client.lookup(early, 129)).hit_tokens != 128:
-            assert time.monotonic() < deadline, f"no reconnect: {hit}"
-            time.sleep(0.3)
+        daemon = Daemon(tmp_path, master=own_master.address, extra=daemon_args).start()
+        seen = []
+
+        def full_hit():
+            seen.append(hit := client.lookup(early, 129))
+            return hit if hit.hit_tokens == 128 else None
+
+        hit = wait_until(full_hit, timeout=30, what="reconnect", detail=lambda: f"no reconnect: {seen[-1]}")
         kv[56:64].zero_()
         assert client.load(early, [list(range(56, 64))], hit) == set()
         assert all(bool((kv[56 + i] == float(i + 1)).all()) for i in range(8))
@@ -156,7 +159,7 @@ RANK_SCRIPT = textwrap.dedent(
 
 
 def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
-    daemon = DaemonProcess(tmp_path, master=mooncake_master.address).start()  # --session-ttl 3
+    daemon = Daemon(tmp_path, master=mooncake_master.address).start()  # --session-ttl 3
     survivor = SidecarClient.connect(  # a live rank: its client keeps its lease
         daemon.target, model="org/Survivor", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
         groups=[ClientGroup("mla", block_size=16)],
@@ -174,10 +177,9 @@ def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
         assert metric(daemon, "kvsidecar_registered_region_bytes") == survivor_bytes + doomed_bytes
         os.kill(doomed.pid, 9)
         doomed.wait(10)
-        deadline = time.monotonic() + 10  # the lease is 3 s, housekeeping runs every second
-        while metric(daemon, 'kvsidecar_sessions{role="rank"}') != 1:
-            assert time.monotonic() < deadline, daemon.log()[-2000:]
-            time.sleep(0.3)
+        # The lease is 3 s, housekeeping runs every second.
+        released = lambda: metric(daemon, 'kvsidecar_sessions{role="rank"}') == 1  # noqa: E731
+        wait_until(released, timeout=10, what="the killed rank released", detail=lambda: daemon.log()[-2000:])
         assert metric(daemon, "kvsidecar_registered_region_bytes") == survivor_bytes
         kv.fill_(3.0)
         h = hashes(1, 6)
@@ -191,10 +193,10 @@ def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
 
 
 def test_master_killed_during_traffic_no_wrong_bytes_and_recovery(tmp_path):
-    from support.processes import free_port
+    from kvsidecar.testing.processes import free_port
 
     master = EmbeddedMaster(rpc_port=free_port(), metrics_port=free_port()).start()
-    daemon = DaemonProcess(tmp_path, master=master.address).start()
+    daemon = Daemon(tmp_path, master=master.address).start()
     kv = shared_tensor((64, 16, 256), torch.float32)  # 16 KiB blocks: 0..31 saved from, 32..63 loaded into
     client = SidecarClient.connect(
         daemon.target, model="org/Traffic", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,

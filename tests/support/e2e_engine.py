@@ -1,8 +1,8 @@
 """A simulated engine for end-to-end tests: one rank process per rank, regions filled and checked by the oracle.
 
 Each rank of the engine is a `RankProcess` holding its own real client and shared-memory tensors. The cold pass fills
-every block with what that rank truly holds (`support.e2e_bytes`), the warm pass loads into other block ids of cleared
-regions, and `verify` compares every block of every region with what the oracle says it must hold now.
+every block with what that rank truly holds (`kvsidecar.testing.oracle`), the warm pass loads into other block ids
+of cleared regions, and `verify` compares every block of every region with what the oracle says it must hold now.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvsidecar.testing import oracle
+from kvsidecar.testing.oracle import Prompt, RankId
+from kvsidecar.testing.processes import Daemon
+from kvsidecar.testing.ranks import RankProcess, each
 from kvsidecar_client import EngineLayout, GroupSpec, Hit, SidecarClient
 from kvsidecar_contract.placement import Layout
-from support import e2e_bytes
-from support.e2e_bytes import Prompt, RankId
-from support.e2e_rank import RankProcess, each
-from support.processes import DaemonProcess
 
 NUM_BLOCKS = 32
 
@@ -134,14 +134,13 @@ class SimEngine:
     def cold_ids(self, prompt: Prompt) -> list[list[int]]:
         """Per group, the blocks the prefill allocates: 0, 1, 2, ..."""
         dcp = self.layout.parallel.dcp_size
-        return [list(range(e2e_bytes.blocks_of(g, dcp, prompt.num_tokens))) for g in self.layout.groups]
+        return [list(range(oracle.blocks_of(g, dcp, prompt.num_tokens))) for g in self.layout.groups]
 
     def warm_ids(self, prompt: Prompt) -> list[list[int]]:
         """Per group, other blocks for the warm pass: counted down from the top, so no id matches the cold one."""
         dcp = self.layout.parallel.dcp_size
         return [
-            [NUM_BLOCKS - 1 - k for k in range(e2e_bytes.blocks_of(g, dcp, prompt.num_tokens))]
-            for g in self.layout.groups
+            [NUM_BLOCKS - 1 - k for k in range(oracle.blocks_of(g, dcp, prompt.num_tokens))] for g in self.layout.groups
         ]
 
     # ---- the passes ----
@@ -154,7 +153,7 @@ class SimEngine:
         for i in chosen:
             blocks = []
             for t, spec in enumerate(self.tensors):
-                tags = e2e_bytes.cold_block_tags(self.layout, spec.group, t, self.ranks[i], prompt)
+                tags = oracle.cold_block_tags(self.layout, spec.group, t, self.ranks[i], prompt)
                 blocks += [[t, ids[spec.group][k], tag] for k, tag in tags.items()]
             args.append({"name": self.name, "blocks": blocks})
         each([self.procs[i] for i in chosen], "fill", args)
@@ -204,7 +203,7 @@ class SimEngine:
         total = 0
         for g in range(len(self.layout.groups)):
             t = next(t for t, spec in enumerate(self.tensors) if spec.group == g)
-            tags = e2e_bytes.warm_block_tags(self.layout, g, t, self.ranks[0], cold, hit_tokens, start_tokens)
+            tags = oracle.warm_block_tags(self.layout, g, t, self.ranks[0], cold, hit_tokens, start_tokens)
             total += len(tags)
         return total
 
@@ -219,8 +218,8 @@ class SimEngine:
         problems = []
         for rank, digests in zip(self.ranks, found, strict=True):
             for t, spec in enumerate(self.tensors):
-                tags = e2e_bytes.warm_block_tags(self.layout, spec.group, t, rank, cold, hit_tokens, start_tokens)
-                want = e2e_bytes.expected_digests(tags, ids[spec.group], NUM_BLOCKS, spec.block_bytes)
+                tags = oracle.warm_block_tags(self.layout, spec.group, t, rank, cold, hit_tokens, start_tokens)
+                want = oracle.expected_digests(tags, ids[spec.group], NUM_BLOCKS, spec.block_bytes)
                 by_id = {ids[spec.group][k]: tag for k, tag in tags.items()}
                 for block, (got, expected) in enumerate(zip(digests[t], want, strict=True)):
                     if got != expected:
@@ -232,7 +231,7 @@ class SimEngine:
         """The oracle's replication sets of a group: ranks of one PCP/PP position that hold identical bytes."""
         sets: dict[tuple[int, int, str], list[RankId]] = {}
         for rank in self.ranks:
-            sets.setdefault((rank.pcp, rank.pp, e2e_bytes.holder(self.layout, group, rank)), []).append(rank)
+            sets.setdefault((rank.pcp, rank.pp, oracle.holder(self.layout, group, rank)), []).append(rank)
         return list(sets.values())
 
     def expected_writes(self, values_per_group: Sequence[int]) -> list[tuple[int, int]]:
@@ -296,11 +295,11 @@ def placements_match_oracle(engine: SimEngine) -> None:
     for rank, placement in zip(engine.ranks, engine.placements, strict=True):
         for g, (factor, _shard, _keys, span) in enumerate(placement["groups"]):
             size = next(len(s) for s in engine.replication_sets(g) if rank in s)
-            want = (size, e2e_bytes.tokens_per_block(engine.layout.groups[g], dcp))
+            want = (size, oracle.view_of(engine.layout.groups[g], dcp).span)
             assert (factor, span) == want, f"{rank} group {g}: daemon says {(factor, span)}, oracle {want}"
 
 
-def saved_blocks(daemon: DaemonProcess) -> dict[str, float]:
+def saved_blocks(daemon: Daemon) -> dict[str, float]:
     """The daemon's kvsidecar_saved_blocks counter per group kind, scraped from /metrics."""
     with urllib.request.urlopen(daemon.metrics_url, timeout=5) as reply:
         text = reply.read().decode()

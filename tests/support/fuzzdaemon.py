@@ -8,14 +8,14 @@ from pathlib import Path
 
 import grpc
 
+from kvsidecar.testing.processes import Daemon
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
-from support.processes import DaemonProcess
 
 GiB = 1 << 30
 
 
-class FuzzDaemon(DaemonProcess):
+class FuzzDaemon(Daemon):
     """`kvsidecar serve` against a real master, with room to spare in the store and a lease that outlives shrinking.
 
     After start the process gets an address-space ceiling (its size then plus `headroom`): a request that makes the
@@ -25,8 +25,9 @@ class FuzzDaemon(DaemonProcess):
     def __init__(
         self, workdir: Path, *, master: str, session_ttl: float = 120.0, headroom: int = 4 * GiB, extra=()
     ) -> None:
-        args = ("--session-ttl", str(session_ttl), "--segment-size", "256MiB", "--log-level", "info", *extra)
-        super().__init__(workdir, master=master, extra=args)
+        super().__init__(
+            workdir, master=master, session_ttl=session_ttl, segment_size="256MiB", log_level="info", extra=extra
+        )
         self.headroom = headroom
         self._channel: grpc.Channel | None = None
 
@@ -38,15 +39,6 @@ class FuzzDaemon(DaemonProcess):
         resource.prlimit(self.proc.pid, resource.RLIMIT_AS, (limit, limit))
         self._channel = grpc.insecure_channel(self.target)
         return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        """The process has not exited."""
-        return self.proc is not None and self.proc.poll() is None
 
     def check(self, timeout: float = 10.0) -> None:
         """Raise AssertionError unless the process lives and answers Stats."""
@@ -80,7 +72,7 @@ class FuzzDaemon(DaemonProcess):
         """Resident memory of the daemon."""
         return _status_kib(self.pid, "VmRSS") * 1024
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 20.0) -> int | None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None

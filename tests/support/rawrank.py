@@ -9,21 +9,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import secrets
+import threading
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 
 import grpc
 
+from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 
-KIND = {
-    "full_attention": pb.FULL_ATTENTION,
-    "sliding_window": pb.SLIDING_WINDOW,
-    "mla": pb.MLA,
-    "sliding_window_mla": pb.SLIDING_WINDOW_MLA,
-    "mamba": pb.MAMBA,
-    "uniform": pb.UNIFORM,
-}
+KIND = {kind.value: value for kind, value in PROTO_OF_KIND.items()}
 
 
 class Segment:
@@ -88,8 +84,32 @@ class RawRank:
         self.request = request
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
-        self.session = self.stub.OpenSession(request, timeout=10).session_id
+        opened = self.stub.OpenSession(request, timeout=10)
+        self.session = opened.session_id
+        self.lease_s = opened.lease_ms / 1000
         self.segments = [Segment(num_blocks * block_bytes) for _ in request.groups]
+
+    @contextlib.contextmanager
+    def kept_alive(self) -> Iterator[None]:
+        """Renew the session every lease/3 while the block runs, as an engine's client does while it waits.
+
+        Without it a rank that sends nothing for a lease (a test waiting for a master to come back) loses its session.
+        """
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(self.lease_s / 3):
+                # A daemon that is down or busy misses one renewal; the next one, a third of a lease later, counts.
+                with contextlib.suppress(grpc.RpcError):
+                    self.stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session), timeout=self.lease_s / 3)
+
+        thread = threading.Thread(target=renew, name="rawrank-keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def register(self) -> pb.RegisterMemoryResponse:
         regions = [

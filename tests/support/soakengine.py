@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import multiprocessing
 import os
 import random
 import signal
 import threading
-import time
 import traceback
 from collections import Counter
 from collections.abc import Sequence
 from multiprocessing import resource_tracker
 from typing import Any
 
+from kvsidecar.testing.ranks import RankDied, RankError, RankProcess
 from kvsidecar_client import SidecarClient
-from support.soakrank import NUM_BLOCKS, EngineDef, rank_main
+from support.soakrank import NUM_BLOCKS, EngineDef, SoakRank
 
 MAX_TOKENS = 512
 
@@ -49,91 +48,27 @@ ENGINE_B = EngineDef(
 ENGINES = [ENGINE_A, ENGINE_B]
 
 
-class RankDied(Exception):
-    """The rank process is gone (killed by a fault, or crashed)."""
-
-
-class RankHandle:
-    """One rank process and the pipe to it."""
+class RankHandle(RankProcess):
+    """One rank process of the soak (driven by `kvsidecar.testing.ranks`) and the shared memory it owns."""
 
     def __init__(self, target: str, engine: EngineDef, tp_rank: int) -> None:
-        self.target, self.engine, self.tp_rank = target, engine, tp_rank
-        self.proc: Any = None
-        self.conn: Any = None
-        self.starts = 0
+        super().__init__(SoakRank, target, engine, tp_rank, ENGINES, name=f"soak-{engine.name}{tp_rank}")
+        self.engine, self.tp_rank = engine, tp_rank
         self.segments: list[str] = []
 
     def start(self, timeout: float = 180.0) -> RankHandle:
         """Spawn the process and wait until its client has registered."""
-        return self.spawn().wait_ready(timeout)
-
-    def spawn(self) -> RankHandle:
-        """Start the process (importing torch and connecting take seconds: spawn every rank, then wait)."""
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=rank_main,
-            args=(child, self.target, self.engine, self.tp_rank, ENGINES),
-            name=f"soak-{self.engine.name}{self.tp_rank}",
-            daemon=True,
-        )
-        self.proc.start()
-        child.close()
-        self.conn = parent
-        self.starts += 1
+        self.spawn().wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> RankHandle:
-        reply = self.recv(timeout)
-        self.segments = list(reply.get("segments", []))
-        if "ready" not in reply:
-            raise RuntimeError(f"rank {self.engine.name}{self.tp_rank} failed to start: {reply.get('error')}")
+        super().wait_ready(timeout)
+        self.segments = list(self.ready_info["segments"])
         return self
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.is_alive()
-
-    def send(self, msg: dict[str, Any]) -> None:
-        try:
-            self.conn.send(msg)
-        except (BrokenPipeError, OSError) as exc:
-            raise RankDied(str(exc)) from None
-
-    def recv(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.conn.poll(0.2):
-                    reply: dict[str, Any] = self.conn.recv()
-                    return reply
-            except (EOFError, OSError) as exc:
-                raise RankDied(str(exc)) from None
-            if not self.alive():
-                raise RankDied(f"exit code {self.proc.exitcode}")
-        raise TimeoutError(f"rank {self.engine.name}{self.tp_rank} silent for {timeout} s")
-
-    def kill(self) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Close the client and let the process exit; kill it if it does not."""
-        if self.alive():
-            try:
-                self.send({"op": "close"})
-                self.recv(timeout)
-            except (RankDied, TimeoutError):
-                pass
-            self.proc.join(timeout)
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        if self.conn is not None:
-            self.conn.close()
+        super().stop(timeout)
         self.unlink_segments()
 
     def unlink_segments(self) -> None:
@@ -280,18 +215,19 @@ class EngineLoop(threading.Thread):
         sent, dead = [], []
         for rank in targets:
             try:
-                rank.send({"op": op, **args})
+                rank.send(op, **args)
                 sent.append(rank)
             except RankDied:
                 dead.append(rank)
         for rank in sent:
             try:
-                reply = rank.recv(timeout=120)
+                reply = rank.receive(timeout=120)
             except RankDied:
                 dead.append(rank)
                 continue
-            if "error" in reply:
-                self.tally.note(f"{self.engine.name}:rank_error:{op}:{reply.get('error_type')}", reply["error"])
+            except RankError as exc:
+                self.tally.note(f"{self.engine.name}:rank_error:{op}:{exc.error_type}", str(exc))
+                continue
             self.tally.merge(reply, prefix=f"{self.engine.name}:")
         with self.lock:
             for rank in dead:

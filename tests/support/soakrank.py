@@ -1,12 +1,12 @@
 """One engine rank of the soak, in its own OS process: real client, shared-memory KV tensors with canaries, and a
-byte-for-byte check of every block it loads against the engine-side oracle (`support.blockbytes`).
+byte-for-byte check of every block it loads against the engine-side oracle (`kvsidecar.testing.oracle`).
 
-The driver sends one command at a time over a pipe and gets one reply dict back:
+The driver (`kvsidecar.testing.ranks`) sends one command at a time over a pipe and gets one reply dict back:
 
     {"op": "prefill", "hashes", "tokens", "ids"}  compute every block of the prompt into `ids`, save, wait
     {"op": "load", "hashes", "ids", "hit", "tails"}  poison `ids`, load the hit, verify every block, check canaries
     {"op": "reopen"}  close the client (its session ends) and connect and register again
-    {"op": "close"}   close the client and exit
+    {"op": "exit"}    close the client and exit
 
 Tensors: per region, a (blocks + 2, 2, block_bytes) uint8 shared tensor of which the view [1:-1, 0, :] is
 registered; rows 0 and -1 and the whole [:, 1, :] half are slack filled with a canary, checked after every load.
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from support import blockbytes
+from kvsidecar.testing import oracle
 
 NUM_BLOCKS = 40
 
@@ -53,15 +52,15 @@ class EngineDef:
             client_name=client_name,
         )
 
-    def views(self) -> list[blockbytes.GroupView]:
-        return blockbytes.views(self.spec(0).to_proto())
+    def views(self) -> list[oracle.GroupView]:
+        return oracle.views(self.spec(0).to_proto())
 
     def identities(self, tp_rank: int) -> list[list[bytes]]:
         """Per group, per region: the digest of what this rank holds there."""
-        layout = blockbytes.layout_of(self.spec(tp_rank).to_proto())
+        layout = oracle.layout_of(self.spec(tp_rank).to_proto())
         return [
             [
-                hashlib.sha256(blockbytes.identity(self.name, layout, g, tp_rank, 0, 0) + bytes([r])).digest()
+                hashlib.sha256(oracle.identity(self.name, layout, g, tp_rank, 0, 0) + bytes([r])).digest()
                 for r in range(len(sizes))
             ]
             for g, sizes in enumerate(self.region_bytes)
@@ -146,7 +145,7 @@ class SoakRank:
         for g, view in enumerate(self.views):
             for i, bid in enumerate(ids[g]):
                 for r, arr in enumerate(self.arrays[g]):
-                    data = blockbytes.computed_block(self.idents[g][r], view, u, hashes, i, tokens, arr.shape[2])
+                    data = oracle.computed_block(self.idents[g][r], view, u, hashes, i, tokens, arr.shape[2])
                     arr[1 + bid, 0, :] = np.frombuffer(data, dtype=np.uint8)
         result = self.client.save(hashes, ids, tokens).result(timeout=120)
         tally = Tally()
@@ -163,11 +162,11 @@ class SoakRank:
         """Load into poisoned blocks and check every byte the engine will use, and that nothing else moved."""
         from kvsidecar_client import Hit
 
-        poison = bytes([blockbytes.POISON])
+        poison = bytes([oracle.POISON])
         for g, arrs in enumerate(self.arrays):
             for arr in arrs:
                 for bid in ids[g]:
-                    arr[1 + bid, 0, :] = blockbytes.POISON
+                    arr[1 + bid, 0, :] = oracle.POISON
         result = self.client.load_detailed(hashes, ids, Hit(hit, tuple(tails)))
         tally = Tally()
         tally.add("loads")
@@ -177,7 +176,7 @@ class SoakRank:
         needed_total = 0
         u = self.engine.u
         for g, view in enumerate(self.views):
-            needed = blockbytes.needed_blocks(view, hit)
+            needed = oracle.needed_blocks(view, hit)
             needed_total += len(needed)
             for i, bid in enumerate(ids[g]):
                 blocks = [arr[1 + bid, 0, :].tobytes() for arr in self.arrays[g]]
@@ -201,7 +200,7 @@ class SoakRank:
             return all(
                 got[off : off + len(want)] == want
                 for ident, got in zip(idents, blocks, strict=True)
-                for off, want in blockbytes.expected_loaded(ident, view_, u, hashes, i, hit, tail, len(got))
+                for off, want in oracle.expected_loaded(ident, view_, u, hashes, i, hit, tail, len(got))
             )
 
         if matches(self.idents[g], view):
@@ -233,26 +232,10 @@ class SoakRank:
         self.client = self._connect()
         return {"reopens": 1}
 
-    def close(self) -> dict[str, Any]:
+    def ready(self) -> dict[str, Any]:
+        """What the driver learns once the rank is up: its PID and the segments to clean if it dies."""
+        return {"ready": os.getpid(), "segments": self.segment_names()}
+
+    def exit(self) -> dict[str, Any]:
         self.client.close()
         return {"closed": 1}
-
-
-def rank_main(conn: Any, target: str, engine: EngineDef, tp_rank: int, engines: list[EngineDef]) -> None:
-    """Entry point of a rank process (multiprocessing, spawn)."""
-    try:
-        rank = SoakRank(target, engine, tp_rank, engines)
-    except Exception:
-        conn.send({"error": traceback.format_exc()})
-        return
-    conn.send({"ready": os.getpid(), "segments": rank.segment_names()})
-    while True:
-        msg = conn.recv()
-        op = msg.pop("op")
-        try:
-            reply = getattr(rank, op)(**msg)
-        except Exception as exc:
-            reply = {"error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
-        conn.send(reply)
-        if op == "close":
-            return

@@ -1,6 +1,6 @@
 """Hypothesis properties of the placement core, against independent models.
 
-- the byte-identity oracle (tests/support/oracle.py): who holds identical bytes;
+- the byte-identity oracle (kvsidecar/testing/oracle.py): who holds identical bytes;
 - a brute-force reading of rule 8 (below): which lengths a stored set can serve.
 """
 
@@ -12,6 +12,7 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvsidecar.testing.oracle import group_bytes
 from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
@@ -23,7 +24,6 @@ from kvsidecar_contract.placement import (
     lookup_plan,
     save_plan,
 )
-from support.oracle import group_bytes
 from support.ranks import all_ranks
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

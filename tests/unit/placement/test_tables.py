@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
+from kvsidecar.testing.oracle import group_bytes
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, replication_factor
-from support.oracle import group_bytes
 from support.ranks import rank_layout
 
 TPS = (1, 2, 4, 8, 16)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.bench import add_arguments, run
+from kvsidecar_bench import add_arguments, run
 
 pytestmark = pytest.mark.integration
 

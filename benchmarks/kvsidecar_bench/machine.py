@@ -1,17 +1,20 @@
-"""The machine and software a run measured: CPU, cores, memory, kernel, versions, and how busy the machine was."""
+"""The machine a run measured (CPU, cores, memory, kernel, versions, load) and its processes' CPU and memory."""
 
 from __future__ import annotations
 
 import os
 import platform
 import sys
+import time
 from importlib import metadata
+from typing import NamedTuple
 
-__all__ = ["describe_machine", "load_average"]
+__all__ = ["ProcessStats", "describe_machine", "load_average", "process_stats", "wait_rss_settled"]
 
 _PACKAGES = (
     "kvsidecar",
     "kvsidecar-client",
+    "kvsidecar-bench",
     "mooncake-transfer-engine-non-cuda",
     "mooncake-transfer-engine",
     "torch",
@@ -89,3 +92,47 @@ def describe_machine() -> dict[str, object]:
         "versions": versions,
         "load_average_at_start": load_average(),
     }
+
+
+class ProcessStats(NamedTuple):
+    """CPU seconds (user + system, all threads) and memory of one process."""
+
+    cpu_s: float
+    rss_bytes: int
+    peak_rss_bytes: int
+
+
+def process_stats(pid: int, proc_dir: str = "/proc") -> ProcessStats:
+    """Read /proc/<pid>/stat and status."""
+    with open(f"{proc_dir}/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # After the command name: state is field 3, utime 14 and stime 15 (1-based, man 5 proc).
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    rss = peak = 0
+    with open(f"{proc_dir}/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    return ProcessStats(cpu, rss, peak)
+
+
+def wait_rss_settled(pid: int, target: int, timeout: float = 60.0) -> int:
+    """Wait until the process's RSS reaches `target` bytes or stops growing for a second; return the RSS.
+
+    The daemon faults its segment in from a background thread after it is ready: its idle RSS is read after that.
+    """
+    deadline = time.monotonic() + timeout
+    last = process_stats(pid).rss_bytes
+    still_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        rss = process_stats(pid).rss_bytes
+        if rss >= target:
+            return rss
+        if rss > last + (1 << 20):
+            last, still_since = rss, time.monotonic()
+        elif time.monotonic() - still_since > 1.0:
+            return rss
+    return last

@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvsidecar.bench.markdown import render_markdown
-from kvsidecar.bench.progress import Progress
-from kvsidecar.bench.report import headline
-from kvsidecar.bench.settings import QUICK, Settings, add_arguments, command_line, from_args
-from kvsidecar.bench.shapes import GQA, MLA, Request, hashes_for
-from kvsidecar.bench.stats import Samples, gib_per_s, percentile, ratio, rotated
+import kvsidecar_bench
+from kvsidecar_bench.progress import Progress
+from kvsidecar_bench.render import render_markdown
+from kvsidecar_bench.report import headline
+from kvsidecar_bench.settings import QUICK, Settings, add_arguments, command_line, from_args
+from kvsidecar_bench.shapes import GQA, MLA, Request, hashes_for
+from kvsidecar_bench.stats import Samples, gib_per_s, percentile, ratio, rotated
 
 
 def parse(*argv: str) -> Settings:
@@ -172,3 +177,15 @@ def test_markdown_has_every_section_and_the_command():
     ):
         assert heading in text
     assert "Command: `kvsidecar bench`" in text and "![throughput" in text
+
+
+def test_the_daemon_command_line_never_imports_the_bench():
+    code = "import sys; from kvsidecar.cli import build_parser; build_parser(); print(*sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert not [m for m in loaded if m.split(".")[0] in ("kvsidecar_bench", "torch", "mooncake")]
+
+
+def test_only_mooncake_direct_calls_mooncake():
+    package = Path(kvsidecar_bench.__file__).parent
+    callers = {p.name for p in package.glob("*.py") if re.search(r"^\s*(from|import) mooncake\b", p.read_text(), re.M)}
+    assert callers == {"mooncake_direct.py"}

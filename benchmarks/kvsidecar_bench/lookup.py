@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.bench.procs import BenchError, DaemonProcess, native_output_to
-from kvsidecar.bench.progress import Progress
-from kvsidecar.bench.shapes import BLOCK_TOKENS, hashes_for
-from kvsidecar.bench.stats import Samples
-from kvsidecar.store.mooncake_store import prefix_regex
+from kvsidecar.testing.processes import Daemon
+from kvsidecar_bench.errors import BenchError
+from kvsidecar_bench.mooncake_direct import DirectClient
+from kvsidecar_bench.progress import Progress
+from kvsidecar_bench.shapes import BLOCK_TOKENS, hashes_for
+from kvsidecar_bench.stats import Samples
 from kvsidecar_contract.placement import Geometry, Layout, Parallel, compute_hit, lookup_plan, parse_groups
 
 __all__ = ["GROUPS", "LookupPoint", "measure_lookups"]
@@ -51,7 +52,7 @@ def _layout(rank: int) -> Layout:
     return Layout(MODEL, parse_groups(GROUPS, BLOCK_TOKENS), Parallel(tp_size=TP, tp_rank=rank), KV_HEADS, BLOCK_TOKENS)
 
 
-def _client(daemon: DaemonProcess, rank: int, role: str) -> Any:
+def _client(daemon: Daemon, rank: int, role: str) -> Any:
     from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
 
     return SidecarClient.connect(
@@ -66,7 +67,7 @@ def _client(daemon: DaemonProcess, rank: int, role: str) -> Any:
     )
 
 
-def _populate(daemon: DaemonProcess, hashes: list[bytes], tokens: int) -> None:
+def _populate(daemon: Daemon, hashes: list[bytes], tokens: int) -> None:
     import torch
 
     from kvsidecar_client import shared_tensor
@@ -84,7 +85,7 @@ def _populate(daemon: DaemonProcess, hashes: list[bytes], tokens: int) -> None:
 
 
 def measure_lookups(
-    daemon: DaemonProcess,
+    daemon: Daemon,
     master: str,
     token_counts: Sequence[int],
     reps: int,
@@ -93,17 +94,8 @@ def measure_lookups(
     logs: Path,
 ) -> list[LookupPoint]:
     """p50/p99 of the daemon's Lookup and of the raw existence check, interleaved, for each prompt length."""
-    from kvsidecar.store.native import ensure_native_libs
-
-    ensure_native_libs()
-    from mooncake.store import MooncakeDistributedStore
-
-    raw: Any = MooncakeDistributedStore()
-    with native_output_to(logs):
-        # No segment: this client only asks the daemon's master, like the daemon does for a lookup.
-        rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master)
-    if rc != 0:
-        raise BenchError(f"raw Mooncake client setup returned {rc}")
+    # No segment: this client only asks the daemon's master, like the daemon does for a lookup.
+    raw = DirectClient.with_segment(logs, master, 0)
     geo = Geometry.of(_layout(0))
     points = []
     try:
@@ -125,7 +117,7 @@ def measure_lookups(
                                 raise BenchError(f"lookup of {tokens} tokens hit {hit} (expected {expected})")
                         else:
                             t0 = time.perf_counter()
-                            found = raw.batch_is_exist(plan.keys)
+                            found = raw.exist(plan.keys)
                             seconds = time.perf_counter() - t0
                             if any(f != 1 for f in found):
                                 raise BenchError(f"raw existence check of {tokens} tokens: not every key exists")
@@ -137,11 +129,8 @@ def measure_lookups(
                         compute_hit(geo, tokens, again.stored([True] * len(again.keys)))
                         point.placement.add(time.perf_counter() - t0)
             points.append(point)
-            removed = raw.remove_by_regex(prefix_regex(f"{_layout(0).model_key}@tp_rank:"), True)
-            if removed < 0:
-                raise BenchError(f"removing lookup keys returned {removed}")
+            raw.remove_model(MODEL)
             progress.step(f"lookup {tokens} tokens: {point.keys} keys")
     finally:
-        with native_output_to(logs):
-            raw.close()
+        raw.close()
     return points

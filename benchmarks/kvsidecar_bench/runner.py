@@ -15,15 +15,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.bench import lookup, scaling, throughput, volume
-from kvsidecar.bench.machine import describe_machine, load_average
-from kvsidecar.bench.markdown import render_markdown
-from kvsidecar.bench.paths import DaemonPath, DataPath, InProcessPath, MemcpyPath, RealClientPath
-from kvsidecar.bench.procs import MOONCAKE_ENV, BenchError, DaemonProcess, RealClientProcess, wait_rss_settled
-from kvsidecar.bench.progress import Progress
-from kvsidecar.bench.report import Results, to_json
-from kvsidecar.bench.settings import Settings, command_line, from_args, out_dir
-from kvsidecar.bench.shapes import SHAPES, EngineMemory, scale_rank_shape
+from kvsidecar.testing.mooncake_env import MooncakeEnv
+from kvsidecar.testing.processes import Daemon, ProcessError, StorageNode
+from kvsidecar_bench import lookup, scaling, throughput, volume
+from kvsidecar_bench.errors import BenchError
+from kvsidecar_bench.machine import describe_machine, load_average, process_stats, wait_rss_settled
+from kvsidecar_bench.mooncake_direct import InProcessPath, RealClientPath
+from kvsidecar_bench.paths import DaemonPath, DataPath, MemcpyPath
+from kvsidecar_bench.progress import Progress
+from kvsidecar_bench.render import render_markdown
+from kvsidecar_bench.report import Results, to_json
+from kvsidecar_bench.settings import Settings, command_line, from_args, out_dir
+from kvsidecar_bench.shapes import SHAPES, EngineMemory, scale_rank_shape
 
 __all__ = ["main", "run"]
 
@@ -49,14 +52,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, BenchError) as exc:
         print(f"kvsidecar bench: error: {exc}", file=sys.stderr)
         return 2
-    for name, value in MOONCAKE_ENV.items():
-        os.environ.setdefault(name, value)
     _one_torch_thread()
     progress = Progress(_total_steps(settings), enabled=settings.progress)
     workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-bench-"))
+    # Mooncake's environment, for the bench's own clients and every process it starts (they inherit it).
+    mooncake = MooncakeEnv(workdir)
+    saved_env = dict(os.environ)
+    os.environ.update(mooncake.variables())
     try:
-        results = measure(settings, progress, workdir)
-    except BenchError as exc:
+        results = measure(settings, progress, workdir, mooncake)
+    except (BenchError, ProcessError, TimeoutError) as exc:
         progress.close()
         print(f"kvsidecar bench: error: {exc}\n(logs in {workdir})", file=sys.stderr)
         return 1
@@ -64,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
         print("kvsidecar bench: interrupted; every process it started was stopped", file=sys.stderr)
         return 130
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        mooncake.close()
     progress.close()
     shutil.rmtree(workdir, ignore_errors=True)
     report(results)
@@ -89,7 +98,7 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def measure(settings: Settings, progress: Progress, workdir: Path) -> Results:
+def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: MooncakeEnv) -> Results:
     """Every selected section, with the processes they need, all stopped before returning."""
     from kvsidecar.master import EmbeddedMaster
 
@@ -111,12 +120,15 @@ def measure(settings: Settings, progress: Progress, workdir: Path) -> Results:
     with contextlib.ExitStack() as stack:
         progress.section("starting masters, the daemon and Mooncake clients")
         master = stack.enter_context(EmbeddedMaster(log_path=workdir / "master-daemon.log"))
-        daemon = DaemonProcess(workdir, master.address, settings.segment_size)
+        daemon = Daemon(
+            workdir, master=master.address, session_ttl=None, segment_size=str(settings.segment_size),
+            local_buffer_size=None, log_level="warning", mooncake=mooncake,
+        )  # fmt: skip
         results.daemon_command = ["python", *daemon.command()[1:]]
         stack.callback(daemon.stop)
         daemon.start()
         rss = wait_rss_settled(daemon.pid, settings.segment_size)
-        results.daemon_idle = {"rss_mib": round(rss / 2**20, 1), "cpu_s": round(daemon.stats().cpu_s, 2)}
+        results.daemon_idle = {"rss_mib": round(rss / 2**20, 1), "cpu_s": round(process_stats(daemon.pid).cpu_s, 2)}
         in_process = None
         master_b = None
         if want_in_process:
@@ -127,7 +139,7 @@ def measure(settings: Settings, progress: Progress, workdir: Path) -> Results:
         if want_throughput:
             assert in_process is not None
             paths.append(in_process)
-            real = _real_client_path(settings, shapes, stack, workdir, logs, results, progress)
+            real = _real_client_path(settings, shapes, stack, workdir, logs, results, progress, mooncake)
             if real is not None:
                 paths.append(real)
             top = max([*settings.blocks, settings.cold_blocks])
@@ -155,7 +167,7 @@ def measure(settings: Settings, progress: Progress, workdir: Path) -> Results:
         if "scaling" in sections:
             progress.section("3/4 scaling")
             results.scaling = scaling.measure_scaling(
-                daemon, settings.ranks, settings.scale_blocks, settings.scale_rounds, progress, nonce
+                daemon, settings.ranks, settings.scale_blocks, settings.scale_rounds, progress, nonce, workdir
             )
         if "volume" in sections:
             progress.section("4/4 write volume")
@@ -164,7 +176,7 @@ def measure(settings: Settings, progress: Progress, workdir: Path) -> Results:
             results.volume = volume.measure_volume(
                 daemon,
                 lambda: volume.master_allocated_bytes(master.metrics_url),
-                in_process.store,
+                in_process.client,
                 lambda: volume.master_allocated_bytes(master_b_url),
                 settings.volume_blocks,
                 progress,
@@ -183,18 +195,21 @@ def _real_client_path(
     logs: Path,
     results: Results,
     progress: Progress,
+    mooncake: MooncakeEnv,
 ) -> RealClientPath | None:
     from kvsidecar.master import EmbeddedMaster
 
     if not settings.real_client:
         results.notes.append("The real-client path was skipped (--no-real-client).")
         return None
-    if RealClientProcess.binary() is None:
+    if StorageNode.binary() is None:
         results.notes.append("The real-client path was skipped: this Mooncake wheel ships no mooncake_client.")
         progress.note("real-client path skipped: no mooncake_client in this wheel")
         return None
     master = stack.enter_context(EmbeddedMaster(log_path=workdir / "master-real-client.log"))
-    real = RealClientProcess(workdir, master.address, settings.segment_size)
+    real = StorageNode(
+        master.address, workdir, segment=f"{settings.segment_size // (1 << 20)}MB", local_buffer=None, mooncake=mooncake
+    )
     stack.callback(real.stop)
     real.start()
     top = max([*settings.blocks, settings.cold_blocks])
@@ -211,7 +226,7 @@ def _real_client_path(
 
 def report(results: Results) -> None:
     """Write results.md, results.json and throughput.png under --out, or print the tables (--quick)."""
-    from kvsidecar.bench.plot import plot_throughput
+    from kvsidecar_bench.render import plot_throughput
 
     doc = to_json(results)
     folder = out_dir(results.settings)
@@ -234,8 +249,8 @@ def report(results: Results) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvsidecar.bench` until the CLI has a bench subcommand."""
-    from kvsidecar.bench.settings import add_arguments
+    """`kvsidecar bench`, `kvsidecar-bench` and `python -m kvsidecar_bench`."""
+    from kvsidecar_bench.settings import add_arguments
 
     parser = argparse.ArgumentParser(prog="kvsidecar bench", description=__doc__)
     add_arguments(parser)

@@ -13,12 +13,13 @@ import dataclasses
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from kvsidecar.bench.procs import BenchError, DaemonProcess
-from kvsidecar.bench.progress import Progress
-from kvsidecar.bench.shapes import BLOCK_TOKENS, GQA, MLA, EngineMemory, ModelShape, Request
-from kvsidecar.store.mooncake_store import prefix_regex
+from kvsidecar.testing.processes import Daemon
+from kvsidecar_bench.errors import BenchError
+from kvsidecar_bench.mooncake_direct import DirectClient
+from kvsidecar_bench.progress import Progress
+from kvsidecar_bench.shapes import BLOCK_TOKENS, GQA, MLA, EngineMemory, ModelShape, Request
 from kvsidecar_contract.placement import Geometry
 from kvsidecar_contract.placement.keys import block_key, namespace_prefix
 
@@ -92,7 +93,7 @@ class _Counts(NamedTuple):
 
 
 def _daemon_saves(
-    daemon: DaemonProcess,
+    daemon: Daemon,
     ranks: list[tuple[ModelShape, Geometry, EngineMemory]],
     request: Request,
     allocated: Callable[[], int],
@@ -130,12 +131,11 @@ def _daemon_saves(
 
 
 def _naive_saves(
-    store: Any, ranks: list[tuple[ModelShape, Geometry, EngineMemory]], request: Request, allocated: Callable[[], int]
+    store: DirectClient,
+    ranks: list[tuple[ModelShape, Geometry, EngineMemory]],
+    request: Request,
+    allocated: Callable[[], int],
 ) -> _Counts:
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    config.replica_num = 1
     model_key = ranks[0][1].layout.model_key
     before = allocated()
     written = []
@@ -145,27 +145,20 @@ def _naive_saves(
             # Every rank its own namespace (its TP rank in the key), the whole request, existence checked per rank.
             prefix = namespace_prefix(model_key, "", shape.tp_rank, 0, 0, 0, 0)
             keys = [block_key(prefix, h) for h in request.hashes]
-            present = store.batch_is_exist(keys)
-            todo = [i for i, p in enumerate(present) if p != 1]
-            codes = store.batch_put_from_multi_buffers(
-                [keys[i] for i in todo],
-                [memory.addresses(request.save_ids[i]) for i in todo],
-                [memory.sizes] * len(todo),
-                config,
-            )
+            put, codes = store.put_missing(keys, [memory.addresses(i) for i in request.save_ids], memory.sizes)
             if any(codes):
                 raise BenchError(f"per-rank writer: put returned {sorted(set(codes))}")
-            total += len(todo) * shape.value_bytes
+            total += put * shape.value_bytes
         written.append(total)
     stored = allocated() - before
-    store.remove_by_regex(prefix_regex(f"{model_key}@tp_rank:"), True)
+    store.remove_model(ranks[0][1].layout.model)
     return _Counts(written[0], stored, written[1])
 
 
 def measure_volume(
-    daemon: DaemonProcess,
+    daemon: Daemon,
     daemon_allocated: Callable[[], int],
-    naive_store: Any,
+    naive_store: DirectClient,
     naive_allocated: Callable[[], int],
     blocks: int,
     progress: Progress,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar_contract.placement import Chunk, Geometry, Layout, Parallel, load_plan, parse_groups, save_plan
 
 if TYPE_CHECKING:
@@ -112,12 +112,7 @@ SHAPES = {shape.name: shape for shape in (MLA, GQA, GQA_TP8)}
 
 def hashes_for(tag: str, count: int) -> list[bytes]:
     """Chained 32-byte block hashes, distinct per tag (as an engine's prefix hashes are per prompt)."""
-    out: list[bytes] = []
-    prev = b""
-    for i in range(count):
-        prev = hashlib.sha256(prev + f"{tag}:{i}".encode()).digest()
-        out.append(prev)
-    return out
+    return chained_hashes(tag, count)
 
 
 class Request(NamedTuple):
@@ -232,9 +227,7 @@ class EngineMemory:
             for t in self.tensors
         )
 
-    def register_with(self, store: object) -> None:
-        """register_buffer every tensor (vLLM's connector does this once per rank; RDMA needs it)."""
-        for base, tensor in zip(self.bases, self.tensors, strict=True):
-            rc = store.register_buffer(base, tensor.numel() * tensor.element_size())  # type: ignore[attr-defined]
-            if rc != 0:
-                raise RuntimeError(f"register_buffer returned {rc}")
+    def buffers(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every tensor: what a store registers once per rank (vLLM's connector does; RDMA
+        needs it)."""
+        return [(base, t.numel() * t.element_size()) for base, t in zip(self.bases, self.tensors, strict=True)]

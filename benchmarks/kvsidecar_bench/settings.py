@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kvsidecar.bench.shapes import SHAPES
+from kvsidecar_bench.shapes import SHAPES
 
 __all__ = ["DEFAULT_OUT", "SECTIONS", "Settings", "add_arguments"]
 

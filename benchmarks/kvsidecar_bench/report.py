@@ -6,12 +6,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvsidecar.bench.lookup import LookupPoint
-from kvsidecar.bench.scaling import ScalePoint
-from kvsidecar.bench.settings import Settings
-from kvsidecar.bench.stats import Samples, ratio
-from kvsidecar.bench.throughput import ShapeResult
-from kvsidecar.bench.volume import VolumeResult
+from kvsidecar_bench.lookup import LookupPoint
+from kvsidecar_bench.scaling import ScalePoint
+from kvsidecar_bench.settings import Settings
+from kvsidecar_bench.stats import Samples, ratio
+from kvsidecar_bench.throughput import ShapeResult
+from kvsidecar_bench.volume import VolumeResult
 
 __all__ = ["OP_TITLES", "PATH_TITLES", "Results", "headline", "rate", "to_json"]
 

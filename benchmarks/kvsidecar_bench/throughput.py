@@ -13,11 +13,11 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvsidecar.bench.paths import DataPath, Timing
-from kvsidecar.bench.procs import BenchError
-from kvsidecar.bench.progress import Progress
-from kvsidecar.bench.shapes import EngineMemory, ModelShape, Request
-from kvsidecar.bench.stats import GIB, Samples, rotated
+from kvsidecar_bench.errors import BenchError
+from kvsidecar_bench.paths import DataPath, Timing
+from kvsidecar_bench.progress import Progress
+from kvsidecar_bench.shapes import EngineMemory, ModelShape, Request
+from kvsidecar_bench.stats import GIB, Samples, rotated
 
 __all__ = ["OPS", "Point", "ShapeResult", "cold_bytes", "measure", "steps"]
 

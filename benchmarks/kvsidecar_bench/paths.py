@@ -1,4 +1,4 @@
-"""The compared data paths: through the daemon, in-process Mooncake, Mooncake's real client, and memcpy.
+"""The compared data paths: through the daemon, and memcpy (in-process Mooncake and its real client: mooncake_direct).
 
 Every path saves a request's blocks from engine memory and loads them back into other blocks of the same memory,
 with the same batch per request; each times only what its user would wait for and reports the CPU it cost.
@@ -9,17 +9,14 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from kvsidecar.bench.procs import BenchError, DaemonProcess, RealClientProcess, native_output_to
-from kvsidecar.bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, Request
-from kvsidecar.store.mooncake_store import prefix_regex
-from kvsidecar_contract.placement import Geometry
+from kvsidecar.testing.processes import Daemon
+from kvsidecar_bench.errors import BenchError
+from kvsidecar_bench.machine import process_stats
+from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, Request
 
-__all__ = ["DaemonPath", "DataPath", "InProcessPath", "MemcpyPath", "RealClientPath", "Timing", "model_name"]
-
-_LOCAL_BUFFER = 16 << 20
+__all__ = ["Clock", "DaemonPath", "DataPath", "MemcpyPath", "Timing", "model_name"]
 
 
 class Timing(NamedTuple):
@@ -61,7 +58,7 @@ class DataPath(Protocol):
         """Release the path."""
 
 
-class _Clock:
+class Clock:
     """Wall and CPU time of a block, with CPU of other processes read from /proc (coarse: summed over rounds)."""
 
     def __init__(self, others: Callable[[], float] | None = None) -> None:
@@ -84,9 +81,9 @@ class DaemonPath:
 
     name = "daemon"
 
-    def __init__(self, daemon: DaemonProcess) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        self._clock = _Clock(lambda: daemon.stats().cpu_s)
+        self._clock = Clock(lambda: process_stats(daemon.pid).cpu_s)
         self._client: Any = None
         self._tp_size = 1
         self.memory: EngineMemory | None = None
@@ -144,151 +141,6 @@ class DaemonPath:
 
     def close(self) -> None:
         self.end()
-
-
-class _MooncakeBatchPath:
-    """The rank itself calls Mooncake's batch API, as vLLM's in-tree Mooncake store connector does.
-
-    Keys and addresses come from the same placement code the daemon runs; a save checks existence in one batch and
-    puts the missing values from the engine's buffers, a load gets straight into them.
-    """
-
-    name = ""
-
-    def __init__(self, logs: Path, others: Callable[[], float] | None = None) -> None:
-        from kvsidecar.store.native import ensure_native_libs
-
-        ensure_native_libs()
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-
-        self._logs = logs
-        self.store: Any = MooncakeDistributedStore()
-        self._config = ReplicateConfig()
-        self._config.replica_num = 1
-        self._clock = _Clock(others)
-        self._geo: Geometry | None = None
-        self.memory: EngineMemory | None = None
-        self._prefix = ""
-
-    def _memory_for(self, shape: ModelShape, memory: EngineMemory) -> EngineMemory:
-        return memory
-
-    def begin(self, shape: ModelShape, memory: EngineMemory) -> None:
-        layout = shape.layout(model_name(shape))
-        self._geo = Geometry.of(layout)
-        self._prefix = f"{layout.model_key}@tp_rank:"
-        self.memory = self._memory_for(shape, memory)
-
-    def save(self, request: Request, *, fresh: bool = False) -> Timing:
-        geo, memory, store, config = self._geo, self.memory, self.store, self._config
-        assert geo is not None and memory is not None
-
-        def run() -> list[int]:
-            chunks = request.save_chunks(geo)
-            keys = [c.key for c in chunks]
-            present = store.batch_is_exist(keys)
-            todo = [i for i, p in enumerate(present) if p != 1]
-            return list(
-                store.batch_put_from_multi_buffers(
-                    [keys[i] for i in todo],
-                    [memory.addresses(chunks[i].block_id) for i in todo],
-                    [memory.sizes] * len(todo),
-                    config,
-                )
-            )
-
-        codes, timing = self._clock.run(run)
-        if len(codes) != len(request.save_ids) or any(codes):
-            raise BenchError(f"{self.name} put returned {sorted(set(codes))} for {len(request.save_ids)} blocks")
-        return timing
-
-    def load(self, request: Request) -> Timing:
-        geo, memory, store = self._geo, self.memory, self.store
-        assert geo is not None and memory is not None
-
-        def run() -> list[int]:
-            chunks = request.load_chunks(geo)
-            return list(
-                store.batch_get_into_multi_buffers(
-                    [c.key for c in chunks],
-                    [memory.addresses(c.block_id) for c in chunks],
-                    [memory.sizes] * len(chunks),
-                )
-            )
-
-        counts, timing = self._clock.run(run)
-        expected = memory.shape.value_bytes
-        if len(counts) != len(request.load_ids) or any(c != expected for c in counts):
-            raise BenchError(f"{self.name} get returned {sorted(set(counts))}, expected {expected} per block")
-        return timing
-
-    def clear(self) -> None:
-        removed = self.store.remove_by_regex(prefix_regex(self._prefix), True)
-        if removed < 0:
-            raise BenchError(f"{self.name} remove_by_regex returned {removed}")
-
-    def end(self) -> None:
-        self.memory = None
-
-    def close(self) -> None:
-        self.end()
-        with native_output_to(self._logs):
-            self.store.close()
-
-
-class InProcessPath(_MooncakeBatchPath):
-    """A Mooncake client inside the rank with its own segment (vLLM's in-tree connector)."""
-
-    name = "in-process"
-
-    def __init__(self, logs: Path, master: str, segment_size: int) -> None:
-        super().__init__(logs)
-        with native_output_to(logs):
-            rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", segment_size, _LOCAL_BUFFER, "tcp", "", master)
-        if rc != 0:
-            raise BenchError(f"in-process Mooncake setup returned {rc}")
-        self._registered: list[int] = []
-
-    def _memory_for(self, shape: ModelShape, memory: EngineMemory) -> EngineMemory:
-        memory.register_with(self.store)
-        self._registered = list(memory.bases)
-        return memory
-
-    def end(self) -> None:
-        for base in self._registered:
-            self.store.unregister_buffer(base)
-        self._registered = []
-        super().end()
-
-
-class RealClientPath(_MooncakeBatchPath):
-    """A dummy client in the rank, Mooncake's `mooncake_client` process as the sidecar that moves the bytes.
-
-    Dummy clients can only hand the real client buffers from their shared memory pool, so this path's engine
-    memory is a copy of the same blocks in that pool, with the same layout.
-    """
-
-    name = "real-client"
-
-    def __init__(self, logs: Path, real: RealClientProcess, pool_bytes: int) -> None:
-        super().__init__(logs, lambda: real.stats().cpu_s)
-        if not hasattr(self.store, "setup_dummy"):
-            raise BenchError("this Mooncake wheel has no dummy-client mode")
-        with native_output_to(logs):
-            rc = self.store.setup_dummy(pool_bytes, _LOCAL_BUFFER, real.address)
-        if rc != 0:
-            raise BenchError(f"setup_dummy returned {rc}")
-        self._pool = int(self.store.alloc_from_mem_pool(pool_bytes))
-        if not self._pool:
-            raise BenchError("the dummy client's memory pool has no room")
-        rc = self.store.register_buffer(self._pool, pool_bytes)
-        if rc != 0:
-            raise BenchError(f"register_buffer of the memory pool returned {rc}")
-
-    def _memory_for(self, shape: ModelShape, memory: EngineMemory) -> EngineMemory:
-        mine = EngineMemory.at(shape, memory.num_blocks, self._pool)
-        mine.copy_from(memory)
-        return mine
 
 
 class MemcpyPath:
