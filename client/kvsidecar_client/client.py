@@ -72,6 +72,8 @@ class SidecarClient:
         deadlines: Deadlines | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         auth: TcpAuth | None = None,
+        hit_alignment_tokens: int = 0,
+        fine_grained_hits: bool | None = None,
     ) -> SidecarClient:
         """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
 
@@ -88,6 +90,8 @@ class SidecarClient:
             role=role,
             hash_bytes=hash_bytes,
             client_name=_default_client_name() if client_name is None else client_name,
+            hit_alignment_tokens=hit_alignment_tokens,
+            fine_grained_hits=fine_grained_hits,
         )
         client = cls(make_channel(address, max_message_bytes, auth), spec, deadlines=deadlines)
         try:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvsidecar_client.errors import InvalidRequest
+from kvsidecar_client.errors import InvalidRequest, SharedMemoryFull
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
@@ -85,6 +85,31 @@ def _release(name: str, base: int, creator_pid: int) -> None:
     resource_tracker.unregister("/" + name, "shared_memory")
 
 
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Size the segment and back every page of it, or raise SharedMemoryFull naming the size and the fix."""
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    try:
+        if size > free:
+            raise OSError(28, "No space left on device")
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno != 28:  # ENOSPC
+            raise
+        total = stat.f_blocks * stat.f_frsize
+        need = -(-(size + total - free) // 2**30)  # whole GiB: this segment plus what is already used
+        raise SharedMemoryFull(
+            f"shared memory for the KV cache needs {size} bytes ({_gib(size)}) but {SHM_DIR} has {free} bytes "
+            f"({_gib(free)}) free of {_gib(total)}: give the engine a bigger {SHM_DIR} (Docker: --shm-size={need}g; "
+            f"Kubernetes: an emptyDir volume with medium: Memory and sizeLimit: {need}Gi mounted at {SHM_DIR}), "
+            "or make the KV cache smaller (VLLM_CPU_KVCACHE_SPACE on vLLM CPU)"
+        ) from None
+
+
 def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int = 0o600) -> torch.Tensor:
     """A zero-filled CPU tensor backed by a new named POSIX shared-memory segment the daemon can map."""
     import torch
@@ -101,7 +126,8 @@ def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int =
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:
-            os.ftruncate(fd, size)  # tmpfs pages read as zeros until written
+            # Reserve every page now: tmpfs over-commits, and a page it cannot back later is a SIGBUS mid-forward.
+            _reserve(fd, size)  # tmpfs pages read as zeros
             mapping = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(path)

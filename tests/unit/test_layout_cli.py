@@ -41,10 +41,14 @@ def test_json_with_dcp_pp_pcp_prefix_and_model():
     info = json.loads(out.stdout)
     assert info["groups"][1]["kind"] == "sliding_window"
     assert info["groups"][1]["window"] == 4096
-    assert [g["keys_per_boundary"] for g in info["groups"]] == [16, 16]
+    # (T, C, D) = (4, 2, 2): vLLM's DCP group spans the PCP axis, so a rank's DCP rank is its PCP rank and the four
+    # TP ranks of one PCP rank hold the same slice (one KV head, or the latent): one namespace per PCP rank and
+    # stage. (Before, every group had factor 1 under DCP and the DCP rank was taken as r mod D: 16 namespaces, and
+    # rank 3's key named dcp1, a slice vLLM never gives it.)
+    assert [g["keys_per_boundary"] for g in info["groups"]] == [4, 4]
     assert (
         info["groups"][0]["example_key_of_rank"][3]
-        == f"tenant-a@Kimi@tp_rank:3@pcp0@dcp1@pp_rank:0@group:0@{'00' * 32}"
+        == f"tenant-a@Kimi@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{'00' * 32}"
     )
 
 

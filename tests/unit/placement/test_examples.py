@@ -113,3 +113,16 @@ def test_example_d_full_hit_leaves_the_last_token():
     assert compute_hit(geo, 65, [[True] * 4]) == Hit(64, (64,))
     assert compute_hit(geo, 64, [[True] * 4], eagle=True) == Hit(32, (32,))
     assert compute_hit(geo, 1, [[]]) == Hit(0, (0,))
+
+
+def test_a_sliding_window_needs_the_last_w_minus_1_tokens_as_vllm_counts_them():
+    # W = 17 on 16-token blocks: the token after a 64-token hit attends to tokens 48..64, so vLLM's sliding-window
+    # manager needs block 3 only (cdiv(W - 1, 16) = 1 block) and gives the load a null block for block 2.
+    geo = Geometry.of(Layout("M", (GroupSpec(Kind.SLIDING_WINDOW, 16, 17),), hash_block_size=16))
+    stored = [[i == 64 // 16 - 1 for i in range(4)]]
+    assert compute_hit(geo, 70, stored) == Hit(64, (64,))
+    loads = load_plan(geo, HASHES[:4], [list(range(10, 20))], 64, (64,))
+    assert [c.span_index for c in loads] == [3]
+    # One token wider, and block 2 is needed again.
+    wide = Geometry.of(Layout("M", (GroupSpec(Kind.SLIDING_WINDOW, 16, 18),), hash_block_size=16))
+    assert compute_hit(wide, 70, stored).tokens == 0

@@ -73,13 +73,17 @@ def test_saved_key_without_and_with_cache_prefix():
         assert plan.others == 1
 
 
-def test_dcp_key_uses_raw_rank_and_dcp_slice():
+def test_dcp_key_names_the_heads_and_the_dcp_slice():
+    # Under DCP a rank holds its heads of its slice of the sequence. The MLA latent has one "head" on every rank,
+    # so ranks 2 and 6 (both DCP rank 2 of 4) hold the same bytes and share tp_rank:0; Mamba state is per rank.
+    # (This key was tp_rank:6 while every group had factor 1 under DCP, writing each latent T/D times.)
     par = Parallel(tp_size=8, tp_rank=6, dcp_size=4)
     geo = Geometry.of(Layout("M", (GroupSpec(Kind.MLA, 16), GroupSpec(Kind.MAMBA, 16)), par))
     assert [g.prefix for g in geo.groups] == [
-        "M@tp_rank:6@pcp0@dcp2@pp_rank:0@group:0",
+        "M@tp_rank:0@pcp0@dcp2@pp_rank:0@group:0",
         "M@tp_rank:6@pcp0@dcp2@pp_rank:0@group:1",
     ]
+    assert [g.factor for g in geo.groups] == [2, 1]
 
 
 def test_lookup_keys_cover_every_namespace_in_order():
