@@ -234,7 +234,10 @@ class Daemon:
             ssd_offload_path=self.disk_tier.environ() if self.disk_tier else "",
         )
         # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
-        policy = policy_for(embedded_master=self.master is not None, peer_networks=cfg.peer_network)
+        # A disk tier reads this node's own disk blocks through Mooncake's offload RPC server over loopback, so with
+        # one the single-node fence lets loopback in (as the multi-node one always does).
+        single_node = self.master is not None and not cfg.ssd_dir
+        policy = policy_for(embedded_master=single_node, peer_networks=cfg.peer_network)
         self.fence = DaemonFence(policy, self.master.metrics_url if self.master is not None else "")
         try:
             return self.fence.open_store(lambda: MooncakeStore.connect(settings), lambda store: store.close())
