@@ -20,6 +20,7 @@ def build_layout(
     pcp: int = 1,
     model: str = "model",
     cache_prefix: str = "",
+    value_identity: str = "",
     block_size: int = 16,
     hash_block_size: int = 16,
 ) -> Layout:
@@ -31,6 +32,7 @@ def build_layout(
         num_kv_heads=kv_heads,
         hash_block_size=hash_block_size,
         cache_prefix=cache_prefix,
+        value_identity=value_identity,
     )
 
 

@@ -86,6 +86,7 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
     for name, value, most in (
         ("model", req.engine.model, MAX_MODEL_CHARS),
         ("cache_prefix", req.engine.cache_prefix, MAX_NAME_CHARS),
+        ("value_identity", req.engine.value_identity, MAX_NAME_CHARS),
         ("client_name", req.client_name, MAX_NAME_CHARS),
     ):
         if len(value) > most:
@@ -130,6 +131,7 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
         cache_prefix=req.engine.cache_prefix,
         hit_alignment_tokens=unit,
         fine_grained_hits=fine,
+        value_identity=req.engine.value_identity,
     )
     return _ROLES[req.role], layout, req.hash_bytes
 

@@ -66,6 +66,7 @@ class SidecarClient:
         hash_block_size: int,
         groups: Sequence[GroupSpec],
         cache_prefix: str = "",
+        value_identity: str = "",
         role: str = "rank",
         hash_bytes: int = 32,
         client_name: str | None = None,
@@ -79,6 +80,8 @@ class SidecarClient:
 
         Raises InvalidRequest for a bad layout (before any I/O) and DaemonUnavailable when no daemon answers within
         the connect deadline. A TCP listener needs `auth` (TLS, a client certificate and/or a token).
+        `value_identity` says what the engine's bytes mean beyond the model's name (docs/values.md); engines whose
+        identities differ never share a value.
         """
         spec = SessionSpec(
             model=model,
@@ -87,6 +90,7 @@ class SidecarClient:
             hash_block_size=hash_block_size,
             groups=tuple(groups),
             cache_prefix=cache_prefix,
+            value_identity=value_identity,
             role=role,
             hash_bytes=hash_bytes,
             client_name=_default_client_name() if client_name is None else client_name,

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_contract import placement
 from kvsidecar_contract.kinds import PROTO_OF_KIND
-from kvsidecar_contract.limits import MAX_GROUPS
+from kvsidecar_contract.limits import MAX_GROUPS, MAX_NAME_CHARS
 from kvsidecar_contract.placement import Kind
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
@@ -152,14 +152,17 @@ class SessionSpec:
     # The engine's own hit alignment and fine-grained rule (0 / None: the daemon derives them).
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
+    value_identity: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
         if self.role not in ROLES:
             raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
-        for name in ("model", "cache_prefix"):
+        for name in ("model", "cache_prefix", "value_identity"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidRequest(f"{name} must be a str, got {getattr(self, name)!r}")
+        if len(self.value_identity) > MAX_NAME_CHARS:
+            raise InvalidRequest(f"value_identity is longer than {MAX_NAME_CHARS} characters")
         _check_int("num_kv_heads", self.num_kv_heads)
         if self.num_kv_heads > _U32:  # the contract bounds it from below only; the wire carries a uint32
             raise InvalidRequest(f"num_kv_heads must be at most {_U32}, got {self.num_kv_heads}")
@@ -192,6 +195,7 @@ class SessionSpec:
             self.cache_prefix,
             self.hit_alignment_tokens,
             self.fine_grained_hits,
+            self.value_identity,
         )
 
     @property
@@ -202,7 +206,9 @@ class SessionSpec:
     def to_proto(self) -> pb.OpenSessionRequest:
         """The contract's OpenSessionRequest message."""
         return pb.OpenSessionRequest(
-            engine=pb.EngineIdentity(model=self.model, cache_prefix=self.cache_prefix),
+            engine=pb.EngineIdentity(
+                model=self.model, cache_prefix=self.cache_prefix, value_identity=self.value_identity
+            ),
             parallel=self.layout.to_proto(),
             num_kv_heads=self.num_kv_heads,
             hash_block_size=self.hash_block_size,

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvsidecar_client.allocation import SharedMemoryAllocation
 from kvsidecar_client.client import SidecarClient
+from kvsidecar_client.vllm.identity import value_identity
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata
 from kvsidecar_client.vllm.plan import shape_of
 from kvsidecar_client.vllm.scheduler import SchedulerSide
@@ -60,6 +61,8 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         model_config = vllm_config.model_config
         scheduler = role == KVConnectorRole.SCHEDULER
         parallel = vllm_config.parallel_config
+        identity = value_identity(vllm_config, kv_cache_config, pinned=settings.model_identity or None)
+        log.info("kvsidecar value identity %s (docs/values.md)", identity)
         client = SidecarClient.connect(
             settings.socket,
             model=model_config.model,
@@ -68,6 +71,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             hash_block_size=unit,
             groups=groups.specs,
             cache_prefix=settings.cache_prefix,
+            value_identity=identity,
             role="scheduler" if scheduler else "rank",
             hash_bytes=hash_bytes(vllm_config.cache_config.prefix_caching_hash_algo),
             deadlines=settings.deadlines,

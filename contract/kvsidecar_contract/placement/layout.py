@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from kvsidecar_contract.placement.errors import InvalidLayout
-from kvsidecar_contract.placement.keys import model_key
+from kvsidecar_contract.placement.keys import model_key, value_id
 
 # Limits far past any real engine that keep every derived value (spans, alignment, namespaces) small: an absurd
 # layout is refused at once instead of costing the daemon seconds and gigabytes.
@@ -186,12 +186,13 @@ class Layout:
     # vLLM's own hit alignment and fine-grained rule (its KV-cache config), or 0 / None: derive them (rule 9).
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
+    value_identity: str = ""  # the client's digest of what its bytes mean (docs/values.md)
 
     def __post_init__(self) -> None:
-        if not self.model_key:
+        if not self.model_name:
             raise InvalidLayout(f"model name {self.model!r} has no last path component")
         # '@' separates key fields: letting it into a name would let one tenant forge another's keys.
-        if "@" in self.model_key:
+        if "@" in self.model_name:
             raise InvalidLayout(f"model name must not contain '@': {self.model!r}")
         if "@" in self.cache_prefix:
             raise InvalidLayout(f"cache_prefix must not contain '@': {self.cache_prefix!r}")
@@ -233,9 +234,26 @@ class Layout:
         return replace(self, parallel=par)
 
     @property
-    def model_key(self) -> str:
-        """The model's field in keys: the last path component of its name."""
+    def model_name(self) -> str:
+        """The last path component of the model's name."""
         return model_key(self.model)
+
+    @property
+    def value_id(self) -> str:
+        """What this engine's values mean: the client's identity and everything here that shapes a shard's bytes."""
+        par = self.parallel
+        session = {
+            "groups": [[g.kind.value, g.block_size, g.window, [k.value for k in g.inner]] for g in self.groups],
+            "num_kv_heads": self.num_kv_heads,
+            "hash_block_size": self.hash_block_size,
+            "parallel": [par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
+        }
+        return value_id(self.value_identity, session)
+
+    @property
+    def model_key(self) -> str:
+        """The model's field in keys: the last path component of its name, then `~` and the value id."""
+        return f"{self.model_name}~{self.value_id}"
 
 
 def kind_of(name: str, what: str = "group kind", where: str = "") -> Kind:

@@ -34,12 +34,14 @@ MAMBA: GroupKind
 UNIFORM: GroupKind
 
 class EngineIdentity(_message.Message):
-    __slots__ = ("model", "cache_prefix")
+    __slots__ = ("model", "cache_prefix", "value_identity")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CACHE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    VALUE_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     cache_prefix: str
-    def __init__(self, model: _Optional[str] = ..., cache_prefix: _Optional[str] = ...) -> None: ...
+    value_identity: str
+    def __init__(self, model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., value_identity: _Optional[str] = ...) -> None: ...
 
 class ParallelLayout(_message.Message):
     __slots__ = ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size", "dcp_rank")
