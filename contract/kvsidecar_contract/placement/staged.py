@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from kvsidecar_contract.placement.errors import InvalidRequest
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry
+from kvsidecar_contract.placement.keys import hash_suffixes
 from kvsidecar_contract.placement.lookup import Hit, check_probe_count, compute_hit
 
 __all__ = ["FIRST_CHUNK", "StagedLookup"]
@@ -29,6 +30,7 @@ class StagedLookup:
         self.geo, self.num_tokens, self.eagle = geo, num_tokens, eagle
         self.n = check_probe_count(geo, len(block_hashes), num_tokens)
         self._hashes = block_hashes[: self.n]
+        self._suffixes: list[str] = []
         u = geo.layout.hash_block_size
         self._probed = [geo.probed_boundaries(g, self.n) for g in geo.groups]
         self._rows = [[False] * self.n for _ in geo.groups]  # quorum of what was probed; unprobed reads absent
@@ -70,7 +72,7 @@ class StagedLookup:
             self._pending = [(g, self._unprobed(g, self.n)) for g in self.geo.groups]
         keys: list[str] = []
         for g, idx in self._pending:
-            sub = ["@" + self._hashes[i].hex() for i in idx]
+            sub = self._suffixes_for(idx)
             for prefix in g.lookup_prefixes:
                 keys += map(prefix.__add__, sub)
         self.probes += len(keys)
@@ -132,6 +134,12 @@ class StagedLookup:
 
     def _by_group(self) -> zip[tuple[GroupGeometry, list[bool]]]:
         return zip(self.geo.groups, self._rows, strict=True)
+
+    def _suffixes_for(self, idx: range) -> list[str]:
+        """`@<hex>` of the hashes at idx, each computed once per lookup (stages and groups share them)."""
+        if idx.stop > len(self._suffixes):
+            self._suffixes += hash_suffixes(list(self._hashes[len(self._suffixes) : idx.stop]))
+        return self._suffixes[idx.start : idx.stop : idx.step]
 
     def _stage_two_end(self, g: GroupGeometry) -> int:
         """Hash indices below this decide every length up to the bound (EAGLE: one unit more) for group g."""
