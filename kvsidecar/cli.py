@@ -25,6 +25,7 @@ def _layout(args: argparse.Namespace) -> int:
             pcp=args.pcp,
             model=args.model,
             cache_prefix=args.cache_prefix,
+            value_identity=args.value_identity,
             block_size=args.block_size,
             hash_block_size=args.hash_block_size or args.block_size,
         )
@@ -55,6 +56,11 @@ def _add_layout(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--pcp", type=int, default=1, help="prefill-context-parallel size C (default 1)")
     p.add_argument("--model", default="model", help="model name; keys use its last path component")
     p.add_argument("--cache-prefix", default="", help="tenant/deployment namespace prepended to every key")
+    p.add_argument(
+        "--value-identity",
+        default="",
+        help="the engine's value identity (its connector logs it; docs/values.md), which keys carry as the value id",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per physical block (default 16)")
     p.add_argument("--hash-block-size", type=int, default=0, help="U, tokens per block hash (default: block size)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

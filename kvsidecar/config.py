@@ -63,6 +63,7 @@ class Config:
     token_file: str = ""  # clients must send `authorization: Bearer <token>`
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     master: str = ""  # empty: start an embedded mooncake_master on loopback
+    peer_network: tuple[str, ...] = ()  # with a non-loopback master: who may reach this node's transfer ports
     master_binary: str = ""
     master_lease_ttl_ms: int = 10_000
     metadata_server: str = "P2PHANDSHAKE"
@@ -96,6 +97,7 @@ class Config:
                 parse_address(value)
         if not self.socket:
             raise ConfigError("socket path must not be empty")
+        self._check_peer_networks()
         if self.listen:
             # The Unix socket is guarded by file permissions; a TCP port has no such guard, so it never runs open.
             if not (self.tls_cert and self.tls_key):
@@ -105,6 +107,36 @@ class Config:
         elif self.tls_cert or self.tls_key or self.tls_client_ca or self.token_file:
             raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
 
+    def _check_peer_networks(self) -> None:
+        from kvsidecar.fence.bpf import parse_networks
+        from kvsidecar.fence.daemon import is_loopback_host
+
+        if isinstance(self.peer_network, (list, str)):  # from a TOML file or a single flag
+            networks = [self.peer_network] if isinstance(self.peer_network, str) else self.peer_network
+            object.__setattr__(self, "peer_network", tuple(networks))
+        try:
+            parse_networks(self.peer_network)
+        except ValueError as exc:
+            raise ConfigError(f"peer-network: {exc}") from None
+        if not self.master:
+            if self.peer_network:
+                raise ConfigError(
+                    "--peer-network only applies with --master: the embedded master's node has no peers, and its "
+                    "Mooncake ports are closed to everyone"
+                )
+            return
+        host, _ = parse_address(self.master)
+        if not is_loopback_host(host) and not self.peer_network:
+            # Mooncake's transfer port serves raw reads and writes of engine memory to anyone who connects.
+            raise ConfigError(
+                f"--master {self.master} joins a Mooncake cluster: name the networks of its nodes with "
+                "--peer-network CIDR (repeatable, e.g. --peer-network 10.0.0.0/16); only they (and loopback) may "
+                "reach this node's Mooncake transfer ports, which hand out engine memory to whoever connects"
+            )
+
+
+# Fields whose flag may be given several times.
+_REPEATABLE = {"peer_network"}
 
 # (flag, type, help); each field of Config has exactly one flag.
 _FLAGS: list[tuple[str, Any, str]] = [
@@ -118,6 +150,12 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("token_file", str, "file holding a bearer token TCP clients must send (authorization: Bearer <token>)"),
     ("metrics_address", str, "host:port of the Prometheus /metrics endpoint (default: %(default)s)"),
     ("master", str, "host:port of an existing mooncake_master (default: start one on loopback)"),
+    (
+        "peer_network",
+        str,
+        "with --master: a network (CIDR) whose hosts may reach this node's Mooncake transfer ports; repeatable, "
+        "IPv4 or IPv6; loopback is always allowed; required unless the master is on loopback",
+    ),
     ("master_binary", str, "path of mooncake_master for the embedded master (default: next to python, or PATH)"),
     ("master_lease_ttl_ms", int, "embedded master: how long a read protects a key from eviction (default 10000)"),
     ("metadata_server", str, "Mooncake metadata service: P2PHANDSHAKE, http://host:port/metadata, etcd://..."),
@@ -149,6 +187,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             dest=name,
             type=kind,
             default=None,
+            action="append" if name in _REPEATABLE else "store",
             help=text % {"default": getattr(defaults, name)},
         )
 
@@ -179,6 +218,9 @@ def load_file(path: Path) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in known:
             raise ConfigError(f"config file {path}: unknown key {key!r}")
+        if name in _REPEATABLE and isinstance(value, list):
+            out[name] = tuple(known[name](item) for item in value)
+            continue
         try:
             out[name] = known[name](value) if isinstance(value, str) else value
         except ValueError as exc:

@@ -222,10 +222,10 @@ class DataPath:
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""
         layout = session.layout
-        # The rest of the key must have exactly the key format's shape: a reset of model "a" without a prefix must
-        # not sweep tenant "a"'s model "tp_rank:X" ("a@tp_rank:X@tp_rank:0@...") along.
+        # The rest of the key must have exactly the key format's shape: a reset of one model must not sweep along
+        # a model whose name continues it in some other tenant's keys.
         with self._timed("remove"):
-            return self.store.remove_prefix(key_prefix(layout.model_key, layout.cache_prefix), KEY_TAIL_PATTERN)
+            return self.store.remove_prefix(key_prefix(layout.model, layout.cache_prefix), KEY_TAIL_PATTERN)
 
     def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
         """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""

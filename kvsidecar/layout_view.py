@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsidecar_contract.placement import Geometry, Layout, Parallel, block_key, parse_groups, writes_chunk
+from kvsidecar_contract.placement import Geometry, Layout, Parallel, block_key, parse_groups
 from kvsidecar_contract.placement.geometry import GroupGeometry
 
 EXAMPLE_HASH = bytes(32)
@@ -20,6 +20,7 @@ def build_layout(
     pcp: int = 1,
     model: str = "model",
     cache_prefix: str = "",
+    value_identity: str = "",
     block_size: int = 16,
     hash_block_size: int = 16,
 ) -> Layout:
@@ -31,6 +32,7 @@ def build_layout(
         num_kv_heads=kv_heads,
         hash_block_size=hash_block_size,
         cache_prefix=cache_prefix,
+        value_identity=value_identity,
     )
 
 
@@ -39,9 +41,10 @@ def describe(layout: Layout) -> dict[str, Any]:
     par = layout.parallel
     geo = Geometry.of(layout)
     groups = []
+    ranks = [Geometry.of(layout.for_rank(r, par.pcp_rank, par.pp_rank)) for r in range(par.tp_size)]
     for group in geo.groups:
         f = group.factor
-        shards = [r // f for r in range(par.tp_size)]
+        shards = [rank.groups[group.index].shard for rank in ranks]
         groups.append(
             {
                 "index": group.index,
@@ -54,7 +57,7 @@ def describe(layout: Layout) -> dict[str, Any]:
                 "replication_factor": f,
                 "keys_per_boundary": group.keys_per_boundary,
                 "shard_of_rank": shards,
-                "writers_of_chunk0": [r for r in range(par.tp_size) if writes_chunk(r, group.index, 0, f)],
+                "writers_of_chunk0": [r for r, rank in enumerate(ranks) if rank.groups[group.index].writes(0)],
                 "example_key_of_rank": [_example_key(layout, group, r) for r in range(par.tp_size)],
             }
         )

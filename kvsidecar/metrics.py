@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
 # Store calls are batch calls over loopback or RDMA: from ~0.1 ms (existence) to seconds (a big put under load).
 STORE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class ListenerDrops:
+    """Packets each fenced listener refused, read from the kernel at scrape time (SO_MEMINFO drops)."""
+
+    NAME = "kvsidecar_listener_dropped_packets"
+    HELP = "Packets the kernel dropped at a fenced listener: connection attempts from outside its allow-list."
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[tuple[str, str], int]] = dict
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.NAME, self.HELP, labels=["role", "address"])
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for (role, address), count in sorted(self.source().items()):
+            family.add_metric([role, address], count)
+        yield family
 
 
 class Metrics:
@@ -68,6 +93,14 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        self.listener_info = Gauge(
+            "kvsidecar_listener_info",
+            "Every listener of the daemon process (1), with its address and who may connect to it.",
+            ["role", "address", "allowed"],
+            registry=r,
+        )
+        self.listener_drops = ListenerDrops()
+        r.register(self.listener_drops)
 
     def totals(self) -> dict[str, float]:
         """Every unlabelled counter's total, by sample name (for Stats)."""

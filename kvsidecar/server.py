@@ -22,6 +22,7 @@ from kvsidecar import __version__, notify, wire
 from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.config import Config, parse_address
 from kvsidecar.datapath import DataPath
+from kvsidecar.fence.daemon import DaemonFence, FenceError, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
 from kvsidecar.session import SessionRegistry
@@ -128,6 +129,8 @@ class Daemon:
         self._health: health_aio.HealthServicer | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self.service: SidecarService | None = None
+        self.fence: DaemonFence | None = None  # set when the daemon sets up Mooncake itself
+        self.failure = ""  # why the daemon stopped itself, if it did
 
     async def start(self) -> None:
         """Start everything; on failure, stop what was started and raise DaemonError."""
@@ -166,6 +169,8 @@ class Daemon:
         self._servers, self._health, self.addresses = create_servers(self.service, cfg, self.metrics)
         for server in self._servers:
             await server.start()
+        if self.fence is not None:
+            self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics, self.service)
         await self._check_store()
         self._housekeeping = asyncio.create_task(self._housekeep())
         extra = f" tcp+tls {self.addresses[1]}" if len(self.addresses) > 1 else ""
@@ -218,7 +223,13 @@ class Daemon:
             rdma_devices=cfg.rdma_devices,
             replica_num=cfg.replicas,
         )
-        return MooncakeStore.connect(settings)
+        # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
+        policy = policy_for(embedded_master=self.master is not None, peer_networks=cfg.peer_network)
+        self.fence = DaemonFence(policy, self.master.metrics_url if self.master is not None else "")
+        try:
+            return self.fence.open_store(lambda: MooncakeStore.connect(settings), lambda store: store.close())
+        except FenceError as exc:
+            raise DaemonError(f"refusing to run: {exc}") from None
 
     async def _check_store(self) -> None:
         assert self.service is not None and self._health is not None
@@ -236,9 +247,23 @@ class Daemon:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             await loop.run_in_executor(None, self.service.sessions.expire)
+            if self.fence is not None and not await self._sweep_fence():
+                return
             if self.master is not None and not self.master.alive():
                 self._restart_master()
             await self._check_store()
+
+    async def _sweep_fence(self) -> bool:
+        assert self.fence is not None
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.fence.sweep)
+        except FenceError as exc:
+            # Fail closed: a Mooncake port that cannot be fenced hands engine memory to the network.
+            self.failure = f"stopping: {exc}"
+            log.critical("%s", self.failure)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return False
+        return True
 
     def _restart_master(self) -> None:
         # On the event loop's thread on purpose (see _start_master); a restart takes a fraction of a second.
@@ -268,6 +293,8 @@ class Daemon:
             await loop.run_in_executor(None, self.service.shutdown_pools)
         if self._store is not None:
             await loop.run_in_executor(None, self._store.close)
+        if self.fence is not None:
+            self.fence.release()
         if self.master is not None:
             await loop.run_in_executor(None, self.master.stop)
         if self._httpd is not None:
@@ -288,3 +315,5 @@ async def serve(config: Config) -> None:
     await stop.wait()
     log.info("kvsidecar stopping")
     await daemon.stop()
+    if daemon.failure:
+        raise DaemonError(daemon.failure)

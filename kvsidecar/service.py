@@ -54,6 +54,8 @@ class SidecarService(pb_grpc.SidecarServicer):
         self._data_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data")
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvsidecar-lookup")
         self._stopping = False
+        # The daemon's listeners and the packets each refused (set by the daemon's fence; none in tests).
+        self.listener_report: Callable[[], list[tuple[Any, int]]] = list
 
     def stop_accepting(self) -> None:
         """New requests are answered UNAVAILABLE from now on."""
@@ -145,7 +147,12 @@ class SidecarService(pb_grpc.SidecarServicer):
         def run() -> pb.StatsResponse:
             uptime = time.monotonic() - self._started
             summaries = self.sessions.summaries()
-            return wire.stats_response(uptime, self.health, self.master_address, summaries, self.metrics.totals())
+            response = wire.stats_response(uptime, self.health, self.master_address, summaries, self.metrics.totals())
+            response.listeners.extend(
+                pb.ListenerInfo(role=item.role, address=item.address, allowed=item.allowed, dropped_packets=drops)
+                for item, drops in self.listener_report()
+            )
+            return response
 
         return await self._call(context, "Stats", self._lookup_pool, run, request)
 

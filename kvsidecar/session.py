@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvsidecar.errors import Forbidden, OutOfOrder, UnknownSession
 from kvsidecar.memory import MappingOwners, SessionMemory, region_specs
 from kvsidecar.metrics import Metrics
+from kvsidecar.value_shapes import ValueShapes
 from kvsidecar.values import RegionRequest, Role, SessionSummary
 from kvsidecar_contract.placement import Geometry, Layout
 
@@ -82,6 +83,7 @@ class SessionRegistry:
         self._metrics = metrics or Metrics()
         self._clock = clock
         self._owners = MappingOwners()
+        self._shapes = ValueShapes()
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
@@ -151,6 +153,13 @@ class SessionRegistry:
         memory = SessionMemory(specs, len(session.layout.groups))
         try:
             self._owners.claim(session.id, memory)
+            self._shapes.claim(
+                session.id,
+                [
+                    (geo.prefix, tuple(r.block_bytes for r in regions))
+                    for geo, regions in zip(session.geometry.groups, memory.groups, strict=True)
+                ],
+            )
             for m in memory.mappings.values():
                 self._register(m.address, m.size)
             with session.lock:
@@ -162,6 +171,7 @@ class SessionRegistry:
                 session.memory = memory
         except BaseException:
             self._owners.release(session.id, memory)
+            self._shapes.release(session.id)
             memory.close(self._unregister_quietly)
             raise
         self._metrics.regions_bytes.inc(memory.mapped_bytes)
@@ -214,6 +224,7 @@ class SessionRegistry:
         if memory is not None:
             self._metrics.regions_bytes.dec(memory.mapped_bytes)
             self._owners.release(session.id, memory)
+            self._shapes.release(session.id)
             memory.close(self._unregister_quietly)
 
     def _unregister_quietly(self, address: int) -> None:

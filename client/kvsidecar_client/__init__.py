@@ -26,6 +26,7 @@ from kvsidecar_client.errors import (
     PreconditionFailed,
     ResourceExhausted,
     SessionLost,
+    SharedMemoryFull,
     SidecarError,
     Unsupported,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "SessionInfo",
     "SessionLost",
     "SessionSpec",
+    "SharedMemoryFull",
     "SidecarClient",
     "SidecarError",
     "TcpAuth",

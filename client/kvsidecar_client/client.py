@@ -66,17 +66,22 @@ class SidecarClient:
         hash_block_size: int,
         groups: Sequence[GroupSpec],
         cache_prefix: str = "",
+        value_identity: str = "",
         role: str = "rank",
         hash_bytes: int = 32,
         client_name: str | None = None,
         deadlines: Deadlines | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         auth: TcpAuth | None = None,
+        hit_alignment_tokens: int = 0,
+        fine_grained_hits: bool | None = None,
     ) -> SidecarClient:
         """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
 
         Raises InvalidRequest for a bad layout (before any I/O) and DaemonUnavailable when no daemon answers within
         the connect deadline. A TCP listener needs `auth` (TLS, a client certificate and/or a token).
+        `value_identity` says what the engine's bytes mean beyond the model's name (docs/values.md); engines whose
+        identities differ never share a value.
         """
         spec = SessionSpec(
             model=model,
@@ -85,9 +90,12 @@ class SidecarClient:
             hash_block_size=hash_block_size,
             groups=tuple(groups),
             cache_prefix=cache_prefix,
+            value_identity=value_identity,
             role=role,
             hash_bytes=hash_bytes,
             client_name=_default_client_name() if client_name is None else client_name,
+            hit_alignment_tokens=hit_alignment_tokens,
+            fine_grained_hits=fine_grained_hits,
         )
         client = cls(make_channel(address, max_message_bytes, auth), spec, deadlines=deadlines)
         try:

@@ -8,6 +8,7 @@
     ├── PreconditionFailed  FAILED_PRECONDITION, ALREADY_EXISTS, ABORTED: a call out of order
     ├── PermissionDenied    PERMISSION_DENIED, UNAUTHENTICATED
     ├── ResourceExhausted   RESOURCE_EXHAUSTED: e.g. a message over the size limit
+    │   └── SharedMemoryFull  /dev/shm cannot hold a shared tensor (raised locally, before any daemon call)
     ├── Unsupported         UNIMPLEMENTED: the daemon does not speak this call (version skew)
     ├── DaemonError         INTERNAL, UNKNOWN, DATA_LOSS: a fault inside the daemon
     └── ClientClosed        the client was closed before or during the call
@@ -30,6 +31,7 @@ __all__ = [
     "PreconditionFailed",
     "ResourceExhausted",
     "SessionLost",
+    "SharedMemoryFull",
     "SidecarError",
     "Unsupported",
     "from_rpc_error",
@@ -77,6 +79,10 @@ class PermissionDenied(SidecarError):
 
 class ResourceExhausted(SidecarError):
     """The daemon refused a request for its size or for lack of resources."""
+
+
+class SharedMemoryFull(ResourceExhausted):
+    """/dev/shm has less room than a shared tensor (e.g. vLLM CPU's KV cache) needs."""
 
 
 class Unsupported(SidecarError):

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_contract import placement
 from kvsidecar_contract.kinds import PROTO_OF_KIND
-from kvsidecar_contract.limits import MAX_GROUPS
+from kvsidecar_contract.limits import MAX_GROUPS, MAX_NAME_CHARS
 from kvsidecar_contract.placement import Kind
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
@@ -47,7 +47,10 @@ def _contract(build: Callable[..., _T], *args: Any) -> _T:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP size D."""
+    """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP (D, d).
+
+    dcp_rank is the rank in its DCP group as the engine's parallel state says; None lets the daemon derive it.
+    """
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -56,10 +59,14 @@ class EngineLayout:
     pcp_size: int = 1
     pcp_rank: int = 0
     dcp_size: int = 1
+    dcp_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size"):
             _check_int(name, getattr(self, name))
+        if self.dcp_rank is not None:
+            _check_u32("dcp_rank", self.dcp_rank)
+        # Which (T, C, D) vLLM accepts and each rank's DCP rank are the contract's rules (Parallel).
         self.to_parallel()
 
     def to_parallel(self) -> placement.Parallel:
@@ -73,6 +80,7 @@ class EngineLayout:
             self.pcp_size,
             self.pcp_rank,
             self.dcp_size,
+            -1 if self.dcp_rank is None else self.dcp_rank,
         )
 
     def to_proto(self) -> pb.ParallelLayout:
@@ -85,6 +93,7 @@ class EngineLayout:
             pcp_size=self.pcp_size,
             pcp_rank=self.pcp_rank,
             dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank,
         )
 
 
@@ -140,19 +149,28 @@ class SessionSpec:
     role: str = "rank"
     hash_bytes: int = 32
     client_name: str = ""
+    # The engine's own hit alignment and fine-grained rule (0 / None: the daemon derives them).
+    hit_alignment_tokens: int = 0
+    fine_grained_hits: bool | None = None
+    value_identity: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
         if self.role not in ROLES:
             raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
-        for name in ("model", "cache_prefix"):
+        for name in ("model", "cache_prefix", "value_identity"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidRequest(f"{name} must be a str, got {getattr(self, name)!r}")
+        if len(self.value_identity) > MAX_NAME_CHARS:
+            raise InvalidRequest(f"value_identity is longer than {MAX_NAME_CHARS} characters")
         _check_int("num_kv_heads", self.num_kv_heads)
         if self.num_kv_heads > _U32:  # the contract bounds it from below only; the wire carries a uint32
             raise InvalidRequest(f"num_kv_heads must be at most {_U32}, got {self.num_kv_heads}")
         _check_int("hash_block_size", self.hash_block_size)
         _check_u32("hash_bytes", self.hash_bytes, 1)
+        _check_u32("hit_alignment_tokens", self.hit_alignment_tokens)
+        if self.fine_grained_hits is not None and not isinstance(self.fine_grained_hits, bool):
+            raise InvalidRequest(f"fine_grained_hits must be a bool or None, got {self.fine_grained_hits!r}")
         if not isinstance(self.layout, EngineLayout):
             raise InvalidRequest(f"layout must be an EngineLayout, got {type(self.layout).__name__}")
         if len(self.groups) > MAX_GROUPS:
@@ -168,7 +186,16 @@ class SessionSpec:
         groups = tuple(group.to_placement() for group in self.groups)
         parallel = self.layout.to_parallel()
         return _contract(
-            placement.Layout, self.model, groups, parallel, self.num_kv_heads, self.hash_block_size, self.cache_prefix
+            placement.Layout,
+            self.model,
+            groups,
+            parallel,
+            self.num_kv_heads,
+            self.hash_block_size,
+            self.cache_prefix,
+            self.hit_alignment_tokens,
+            self.fine_grained_hits,
+            self.value_identity,
         )
 
     @property
@@ -179,7 +206,9 @@ class SessionSpec:
     def to_proto(self) -> pb.OpenSessionRequest:
         """The contract's OpenSessionRequest message."""
         return pb.OpenSessionRequest(
-            engine=pb.EngineIdentity(model=self.model, cache_prefix=self.cache_prefix),
+            engine=pb.EngineIdentity(
+                model=self.model, cache_prefix=self.cache_prefix, value_identity=self.value_identity
+            ),
             parallel=self.layout.to_proto(),
             num_kv_heads=self.num_kv_heads,
             hash_block_size=self.hash_block_size,
@@ -187,4 +216,6 @@ class SessionSpec:
             hash_bytes=self.hash_bytes,
             role=ROLES[self.role],
             client_name=self.client_name,
+            hit_alignment_tokens=self.hit_alignment_tokens,
+            fine_grained_hits=self.fine_grained_hits,
         )

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvsidecar_client.errors import InvalidRequest
+from kvsidecar_client.errors import InvalidRequest, SharedMemoryFull
+from kvsidecar_contract.limits import MAX_REGIONS
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ __all__ = [
     "RegionGeometry",
     "Segment",
     "cuda_ipc_handle",
+    "dense_pieces",
     "describe_region",
     "describe_regions",
     "region_geometry",
@@ -85,6 +87,31 @@ def _release(name: str, base: int, creator_pid: int) -> None:
     resource_tracker.unregister("/" + name, "shared_memory")
 
 
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Size the segment and back every page of it, or raise SharedMemoryFull naming the size and the fix."""
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    try:
+        if size > free:
+            raise OSError(28, "No space left on device")
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno != 28:  # ENOSPC
+            raise
+        total = stat.f_blocks * stat.f_frsize
+        need = -(-(size + total - free) // 2**30)  # whole GiB: this segment plus what is already used
+        raise SharedMemoryFull(
+            f"shared memory for the KV cache needs {size} bytes ({_gib(size)}) but {SHM_DIR} has {free} bytes "
+            f"({_gib(free)}) free of {_gib(total)}: give the engine a bigger {SHM_DIR} (Docker: --shm-size={need}g; "
+            f"Kubernetes: an emptyDir volume with medium: Memory and sizeLimit: {need}Gi mounted at {SHM_DIR}), "
+            "or make the KV cache smaller (VLLM_CPU_KVCACHE_SPACE on vLLM CPU)"
+        ) from None
+
+
 def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int = 0o600) -> torch.Tensor:
     """A zero-filled CPU tensor backed by a new named POSIX shared-memory segment the daemon can map."""
     import torch
@@ -101,7 +128,8 @@ def shared_tensor(shape: int | Sequence[int], dtype: torch.dtype, *, mode: int =
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:
-            os.ftruncate(fd, size)  # tmpfs pages read as zeros until written
+            # Reserve every page now: tmpfs over-commits, and a page it cannot back later is a SIGBUS mid-forward.
+            _reserve(fd, size)  # tmpfs pages read as zeros
             mapping = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(path)
@@ -125,6 +153,67 @@ def segment_of(tensor: torch.Tensor) -> Segment | None:
         return _segments.get(tensor.untyped_storage().data_ptr())
 
 
+def _block_is_dense(tensor: torch.Tensor) -> bool:
+    """Whether one block (dim 0 fixed) is a single gap-free byte range, in any order of its dims."""
+    expected = 1
+    for size, stride in sorted(
+        ((size, stride) for size, stride in zip(tensor.shape[1:], tensor.stride()[1:], strict=True) if size > 1),
+        key=lambda pair: pair[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def dense_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Views of a tensor (dim 0 = blocks) whose blocks are each one dense byte range; together, every block's bytes.
+
+    A block that is already dense (vLLM's LBHNC, LBNHC, BLHNC, BLNHC: any permutation of its dims) is one piece;
+    otherwise the block dim with the largest stride is split (the head dim of LHBNC and BHLNC) until every piece is
+    dense. Pieces come in index order of the dims split, so every rank with the same layout lists them alike.
+    """
+    if tensor.dim() < 1:
+        raise InvalidRequest("a KV-cache tensor needs at least one dimension (dim 0 indexes blocks)")
+    split = [d for d in range(1, tensor.dim()) if tensor.shape[d] > 1]
+    if any(tensor.stride(d) < 1 for d in split):
+        raise InvalidRequest(
+            f"a block of a tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} repeats its own bytes "
+            "(a stride of 0): register the underlying tensor instead of an expanded view"
+        )
+    pieces = [tensor]
+    while not all(_block_is_dense(piece) for piece in pieces):
+        piece = pieces[0]
+        dims = [d for d in range(1, piece.dim()) if piece.shape[d] > 1]
+        outer = max(dims, key=piece.stride)
+        if len(pieces) * piece.shape[outer] > MAX_REGIONS:
+            raise InvalidRequest(
+                f"a tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} splits into more than "
+                f"{MAX_REGIONS} dense pieces per block"
+            )
+        # Every piece has the same shape and strides, so one rule splits them all alike.
+        pieces = [part.select(outer, i) for part in pieces for i in range(part.shape[outer])]
+    _check_disjoint(tensor, pieces)
+    return pieces
+
+
+def _check_disjoint(tensor: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+    size = tensor.element_size()
+    spans = sorted(
+        (piece.storage_offset() * size, (piece.storage_offset() + _block_numel(piece)) * size) for piece in pieces
+    )
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        if start < end:
+            raise InvalidRequest(
+                f"the elements of one block of a tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} "
+                "overlap each other"
+            )
+
+
+def _block_numel(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[1:])
+
+
 def region_geometry(tensor: torch.Tensor) -> RegionGeometry:
     """Offsets of a tensor whose dim 0 indexes blocks, in bytes from the start of its storage."""
     import torch
@@ -136,15 +225,14 @@ def region_geometry(tensor: torch.Tensor) -> RegionGeometry:
     num_blocks = tensor.shape[0]
     if not 1 <= num_blocks <= _U32:
         raise InvalidRequest(f"a KV-cache tensor needs 1..{_U32} blocks in dim 0, got {num_blocks}")
-    block = tensor[0]
-    # The daemon copies one byte range per block: a block whose elements are not adjacent cannot be described.
-    if not block.is_contiguous():
+    # The daemon copies one byte range per block: a block with gaps is split by dense_pieces first.
+    if not _block_is_dense(tensor):
         raise InvalidRequest(
-            f"block 0 of a tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} is not contiguous; "
-            "register the underlying tensor (dim 0 = blocks) instead of a permuted view"
+            f"block 0 of a tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} is not contiguous in "
+            "any order of its dims; split it with dense_pieces (register does) or register the underlying tensor"
         )
     size = tensor.element_size()
-    block_bytes = block.numel() * size
+    block_bytes = _block_numel(tensor) * size
     block_stride = tensor.stride(0) * size
     if num_blocks == 1:
         # With one block the stride is never used, and torch may report anything for a size-1 dim.
@@ -153,6 +241,7 @@ def region_geometry(tensor: torch.Tensor) -> RegionGeometry:
         raise InvalidRequest(
             f"blocks overlap: block stride {block_stride} bytes is less than the block's {block_bytes} bytes"
         )
+    # With every stride positive the block's first element is its lowest address.
     return RegionGeometry(int(tensor.storage_offset()) * size, block_stride, block_bytes, num_blocks)
 
 
@@ -234,6 +323,20 @@ def describe_region(
 
 
 def describe_regions(memory: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> list[pb.MemoryRegion]:
-    """The regions of one registration, in order; views of one CUDA storage share one IPC handle."""
+    """The regions of one registration: each tensor's dense pieces in order; views of one CUDA storage share a handle.
+
+    Done once at registration: the daemon then moves every block as the same list of byte ranges, with no
+    per-block work in Python on either side.
+    """
     cuda_handles: dict[tuple[int, int], pb.CudaIpcHandle] = {}
-    return [describe_region(tensor, groups, cuda_handles=cuda_handles) for tensor, groups in memory]
+    regions = [
+        describe_region(piece, groups, cuda_handles=cuda_handles)
+        for tensor, groups in memory
+        for piece in dense_pieces(tensor)
+    ]
+    if len(regions) > MAX_REGIONS:
+        raise InvalidRequest(
+            f"{len(memory)} tensors split into {len(regions)} dense regions, more than the {MAX_REGIONS} a session "
+            "may register"
+        )
+    return regions

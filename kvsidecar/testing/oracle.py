@@ -8,8 +8,8 @@ Written from the engine's point of view, never from the placement rules, so the 
 - A block of an attention group spans S tokens (block_size, times D under DCP: a rank holds every D-th token); a
   recurrent block holds the state at one boundary, at block_size granularity (`GroupView`).
 - A load of a hit of L tokens must fill, per group, the blocks the engine needs to resume at L (`needed_blocks`):
-  every block before L for full attention, the window's blocks for sliding window, the block holding the state at L
-  for recurrent state.
+  every block before L for full attention, the blocks of the W - 1 tokens before L for a sliding window of W (as
+  vLLM's sliding window counts them), the block holding the state at L for recurrent state.
 
 Two renderings of the same model: whole blocks named by a tag (`pattern`, `cold_block_tags`, `warm_block_tags`:
 end-to-end tests and the demo compare digests of whole blocks), and U-token sub-slices filled from a holder's
@@ -60,9 +60,23 @@ GARBAGE = 0xEE  # what a block holds past the tokens the engine computed
 # ---- who holds what --------------------------------------------------------------------------------------------------
 
 
-def member_bytes(kind: Kind, tp_rank: int, tp_size: int, num_kv_heads: int, dcp_size: int) -> Hashable:
+def dcp_slice(tp_rank: int, pcp_rank: int, tp_size: int, pcp_size: int, dcp_size: int) -> int | None:
+    """Which slice of the sequence a rank holds under DCP (None: all of it).
+
+    vLLM numbers ranks PP x PCP x TP and cuts DCP groups out of the (TP, PCP) plane with PCP varying fastest; the
+    slot mapping then stores token i on the group member of rank (i // interleave) mod D.
+    """
+    if dcp_size == 1:
+        return None
+    plane = [(t, c) for t in range(tp_size) for c in range(pcp_size)]  # PCP fastest
+    return plane.index((tp_rank, pcp_rank)) % dcp_size
+
+
+def member_bytes(
+    kind: Kind, tp_rank: int, tp_size: int, num_kv_heads: int, dcp_size: int, pcp_rank: int = 0, pcp_size: int = 1
+) -> Hashable:
     """What one member kind of a group holds on a TP rank."""
-    seq = tp_rank % dcp_size if dcp_size > 1 else None  # DCP: each rank holds its slice of the sequence
+    seq = dcp_slice(tp_rank, pcp_rank, tp_size, pcp_size, dcp_size)  # DCP: each rank holds its slice
     if kind is Kind.MAMBA:
         return ("state-shard", tp_rank)  # head/dim-sharded state: never the same on two ranks
     if kind in (Kind.MLA, Kind.SLIDING_WINDOW_MLA):
@@ -78,7 +92,12 @@ def member_bytes(kind: Kind, tp_rank: int, tp_size: int, num_kv_heads: int, dcp_
 def group_bytes(layout: Layout, group: GroupSpec, tp_rank: int, pcp_rank: int, pp_rank: int) -> Hashable:
     """What a rank holds for a whole group: every member, on its own PCP rank and pipeline stage."""
     par = layout.parallel
-    members = tuple(member_bytes(k, tp_rank, par.tp_size, layout.num_kv_heads, par.dcp_size) for k in group.members)
+    members = tuple(
+        member_bytes(k, tp_rank, par.tp_size, layout.num_kv_heads, par.dcp_size, pcp_rank, par.pcp_size)
+        for k in group.members
+    )
+    # PCP ranks stay apart even where they hold the same prompt KV (D = 1): decode then runs on one PCP owner only,
+    # so the blocks it writes are on that rank alone.
     return (members, pcp_rank, pp_rank)
 
 
@@ -155,7 +174,8 @@ def needed_blocks(view: GroupView, hit: int, start: int = 0) -> range:
     last = (hit - 1) // view.span
     if not view.attention:
         return range(last, last + 1)
-    first = 0 if view.window is None else max(0, hit - view.window) // view.span
+    # The next token attends to the last W - 1 tokens before it (vLLM's sliding window), at least one.
+    first = 0 if view.window is None else max(0, hit - max(view.window, 2) + 1) // view.span
     return range(max(first, start // view.span), last + 1)
 
 

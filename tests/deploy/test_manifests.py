@@ -193,6 +193,31 @@ def test_workload_selectors_match_their_templates(overlay):
         assert _selects(workload["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
 
 
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
+
+
+def test_sidecar_pod_shares_a_memory_backed_dev_shm_big_enough_for_a_kv_cache():
+    # The connector puts a CPU engine's whole KV cache in /dev/shm; the runtime's default /dev/shm is 64 MiB.
+    templates = _pod_templates(rendered(K8S / "overlays" / "sidecar"))
+    (template,) = [t for _, t in templates if "vllm" in {c["name"] for c in _containers(t["spec"])}]
+    spec = template["spec"]
+    mounts = {
+        c["name"]: {m["name"] for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"}
+        for c in _containers(spec)
+    }
+    assert set(mounts) == {"kvsidecar", "vllm"} and len(set().union(*mounts.values())) == 1, mounts
+    (name,) = mounts["vllm"]
+    assert mounts["kvsidecar"] == {name}
+    (volume,) = [v for v in spec["volumes"] if v["name"] == name]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert _quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= 2 * 2**30
+
+
 def _daemon_containers(docs):
     """(pod template, container, effective serve settings, TOML text or None) of each `kvsidecar serve`."""
     configmaps = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "ConfigMap"}
@@ -410,6 +435,17 @@ def test_kvsidecar_unit_settings():
     assert service.get("ProtectClock", "no") == "no" and "DeviceAllow" not in service
     assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+    _assert_ip_allow_list(UNITS / "kvsidecar.service")
+
+
+def _assert_ip_allow_list(path):
+    """Deny by default, loopback always; the example network is the one the env file passes as --peer-network."""
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    assert "IPAddressDeny=any" in lines, path.name
+    allowed = [line.split("=", 1)[1] for line in lines if line.startswith("IPAddressAllow=")]
+    assert allowed[0] == "localhost" and len(allowed) >= 2, allowed
+    env = (UNITS / "kvsidecar.env").read_text()
+    assert all(f"--peer-network {net}" in env for net in allowed[1:]), allowed
 
 
 def test_mooncake_master_unit_settings():
@@ -421,6 +457,7 @@ def test_mooncake_master_unit_settings():
     flags = _flag_pairs(exec_start[1:-1])
     assert flags["enable-metric-reporting"] == "false"
     assert {"rpc-port", "metrics-port", "default-kv-lease-ttl"} <= set(flags)
+    _assert_ip_allow_list(UNITS / "mooncake-master.service")
 
 
 def test_environment_file_example():
@@ -650,3 +687,20 @@ def test_promtool_unit_tests_of_the_alerts():
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_network_policies_close_mooncake_ports_to_all_but_daemons():
+    """Pod networks: the daemon pod admits engines and Prometheus; Mooncake's ports only the other daemons."""
+    for overlay in OVERLAYS:
+        policies = [doc for doc in rendered(overlay) if doc.get("kind") == "NetworkPolicy"]
+        assert policies, f"{_rel(overlay)} renders no NetworkPolicy"
+        for policy in policies:
+            for rule in policy["spec"]["ingress"]:
+                ports = [p["port"] for p in rule["ports"]]
+                if 15000 in ports:  # Mooncake's transfer/handshake range: never from everywhere
+                    assert rule.get("from"), f"{_rel(overlay)}: {policy['metadata']['name']} opens Mooncake's ports"
+        master = [p for p in policies if p["metadata"]["name"] == "mooncake-master"]
+        if any(doc.get("kind") == "Deployment" and "master" in doc["metadata"]["name"] for doc in rendered(overlay)):
+            (policy,) = master
+            rpc = [rule for rule in policy["spec"]["ingress"] if "rpc" in [p["port"] for p in rule["ports"]]]
+            assert rpc and all(rule.get("from") for rule in rpc), "the master's RPC port is open to every pod"

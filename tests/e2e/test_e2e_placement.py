@@ -74,7 +74,7 @@ def test_missing_mamba_shard_rejects_its_boundary(
     # Rank 1's Mamba state at 64, under the exact key its save used.
     geo = Geometry.of(layout.for_rank(1))
     key = block_key(geo.groups[1].prefix, prompt.hashes[64 // 16 - 1])
-    assert key == f"{layout.model_key}@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1@{prompt.hashes[3].hex()}"
+    assert key == f"kvs1@@{layout.model_key}@s1.c0.d0.p0.g1@{prompt.hashes[3].hex()}"
     store = connect_mooncake(mooncake_settings(mooncake_master))
     assert store.remove([key]) == [StoreCode.OK]
 

@@ -195,6 +195,23 @@ def test_bad_input_gets_precise_errors_and_others_keep_working(daemon, ranks):
         stub.OpenSession,
         open_request(groups, tp=4, dcp=3),
     )
+    # vLLM's own (T, C, D) rules and DCP ranks, and its hit alignment: refused with the reason when inconsistent.
+    pcp = open_request(groups, tp=4, dcp=4)
+    pcp.parallel.pcp_size = 2
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "([1, 2, 8]), got 4", stub.OpenSession, pcp)
+    wrong_rank = open_request(groups, tp=4, rank=3, dcp=2)
+    wrong_rank.parallel.dcp_rank = 0
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "vLLM's parallel state gives 1", stub.OpenSession, wrong_rank)
+    wrong_rank.parallel.dcp_rank = 2
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "dcp_rank must be in [0, dcp_size=2), got 2", stub.OpenSession, wrong_rank)
+    unaligned = open_request(groups)
+    unaligned.hit_alignment_tokens = 24
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "multiple of hash_block_size 16", stub.OpenSession, unaligned)
+    unaligned.hit_alignment_tokens, unaligned.fine_grained_hits = 32, True
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "must be hash_block_size 16 or 0, got 32", stub.OpenSession, unaligned)
+    splits = open_request([group("sliding_window", 32, window=64), group("mamba", 64)])
+    splits.hit_alignment_tokens = 32
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "not a multiple of every group's span", stub.OpenSession, splits)
     expect(
         grpc.StatusCode.INVALID_ARGUMENT,
         "tail boundary",

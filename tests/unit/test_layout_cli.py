@@ -27,9 +27,7 @@ def test_json_for_example_a():
     assert [g["shard_of_rank"] for g in groups] == [[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 2, 3], [0, 0, 1, 1]]
     assert [g["writers_of_chunk0"] for g in groups] == [[0], [1, 3], [0, 1, 2, 3], [1, 3]]
     zero = "00" * 32
-    assert groups[2]["example_key_of_rank"] == [
-        f"model@tp_rank:{r}@pcp0@dcp0@pp_rank:0@group:2@{zero}" for r in range(4)
-    ]
+    assert groups[2]["example_key_of_rank"] == [f"kvs1@@{info['model_key']}@s{r}.c0.d0.p0.g2@{zero}" for r in range(4)]
 
 
 def test_json_with_dcp_pp_pcp_prefix_and_model():
@@ -41,11 +39,22 @@ def test_json_with_dcp_pp_pcp_prefix_and_model():
     info = json.loads(out.stdout)
     assert info["groups"][1]["kind"] == "sliding_window"
     assert info["groups"][1]["window"] == 4096
-    assert [g["keys_per_boundary"] for g in info["groups"]] == [16, 16]
+    # (T, C, D) = (4, 2, 2): vLLM's DCP group spans the PCP axis, so a rank's DCP rank is its PCP rank and the four
+    # TP ranks of one PCP rank hold the same slice (one KV head, or the latent): one namespace per PCP rank and
+    # stage. (Before, every group had factor 1 under DCP and the DCP rank was taken as r mod D: 16 namespaces, and
+    # rank 3's key named dcp1, a slice vLLM never gives it.)
+    assert [g["keys_per_boundary"] for g in info["groups"]] == [4, 4]
     assert (
-        info["groups"][0]["example_key_of_rank"][3]
-        == f"tenant-a@Kimi@tp_rank:3@pcp0@dcp1@pp_rank:0@group:0@{'00' * 32}"
+        info["groups"][0]["example_key_of_rank"][3] == f"kvs1@tenant-a@{info['model_key']}@s0.c0.d0.p0.g0@{'00' * 32}"
     )
+    assert info["model_key"].startswith("Kimi~")
+
+
+def test_the_value_identity_changes_every_key():
+    args = ("--tp", "2", "--kv-heads", "2", "--groups", "full_attention", "--json")
+    plain, pinned = (json.loads(run(*args, *extra).stdout) for extra in ((), ("--value-identity", "ab12")))
+    assert plain["model_key"] != pinned["model_key"]
+    assert pinned["groups"][0]["example_key_of_rank"][0].startswith(f"kvs1@@{pinned['model_key']}@")
 
 
 def test_table_is_readable():

@@ -26,7 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -79,13 +84,17 @@ def vllm_config(
     recurrent: bool = False,
     chunk: int = 0,
     kv_role: str = "kv_both",
+    prefix_match_unit: int | None = None,
 ) -> VllmConfig:
     """A VllmConfig for the tiny model on CPU with KVSidecarConnector; `chunk` caps a prefill step's tokens."""
     return VllmConfig(
         device_config=DeviceConfig("cpu"),
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN),
         cache_config=CacheConfig(
-            block_size=BLOCK, enable_prefix_caching=True, mamba_cache_mode="align" if recurrent else "none"
+            block_size=BLOCK,
+            enable_prefix_caching=True,
+            mamba_cache_mode="align" if recurrent else "none",
+            prefix_match_unit=prefix_match_unit,
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=chunk or MAX_MODEL_LEN,
@@ -156,15 +165,23 @@ class Engine:
     block_hasher: Any
 
     @classmethod
-    def start(cls, config: VllmConfig, kv: KVCacheConfig, *, split_kv: bool = False) -> Engine:
+    def start(cls, config: VllmConfig, kv: KVCacheConfig, *, split_kv: bool = False, resolve: bool = False) -> Engine:
+        """`resolve`: size blocks and hashes as vLLM's engine core does for hybrid groups of other block sizes
+        (resolve_kv_cache_block_sizes, resolve_cache_hit_alignment_tokens); else one block size, BLOCK, for all."""
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         config.cache_config.num_gpu_blocks = kv.num_blocks
+        block_size, hash_block_size = BLOCK, None
+        if resolve:
+            block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, config)
+            kv.hash_block_size = hash_block_size
+            kv.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(kv, config, block_size, hash_block_size)
         scheduler = Scheduler(
             vllm_config=config,
             kv_cache_config=kv,
             structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK,
+            block_size=block_size,
+            hash_block_size=hash_block_size,
         )
         worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv)
         assert isinstance(worker, KVSidecarConnector)
@@ -263,14 +280,15 @@ class Engine:
             table = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             end = min(start + count, len(tokens))
             for gid, group in enumerate(self.kv.kv_cache_groups):
+                size = group.kv_cache_spec.block_size
                 for layer, name in enumerate(group.layer_names):
                     for part, tensor in enumerate(layer_parts(self.caches[name])):
                         offset = 1000.0 * layer + 100.0 * part
                         if isinstance(group.kv_cache_spec, MambaSpec):
-                            tensor[table[gid][(end - 1) // BLOCK]] = values[end - 1] + offset
+                            tensor[table[gid][(end - 1) // size]] = values[end - 1] + offset
                         else:
                             for p in range(start, end):
-                                tensor[table[gid][p // BLOCK], p % BLOCK] = values[p] + offset
+                                tensor[table[gid][p // size], p % size] = values[p] + offset
 
     def expected_block(self, tokens: Sequence[int], gid: int, index: int, upto: int) -> list[list[torch.Tensor]]:
         """Per layer and part, what block `index` of group `gid` holds once `upto` tokens are computed."""

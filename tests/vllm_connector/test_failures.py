@@ -37,9 +37,12 @@ def save_prompt(model, target, prefix, layout):
         cold.close()
 
 
-def key(prefix: str, group: int, block_hash: bytes) -> str:
-    # PLACEMENT.md rule 3, TP=PP=PCP=DCP=1.
-    return f"{prefix}@tiny-llama@tp_rank:0@pcp0@dcp0@pp_rank:0@group:{group}@{block_hash.hex()}"
+def key(warm: Engine, group: int, block_hash: bytes) -> str:
+    """The exact key the worker's session saved a block under (PLACEMENT.md rule 3, TP=PP=PCP=DCP=1)."""
+    spec = warm.worker.client.spec
+    layout = spec.to_placement()
+    assert layout.model_key.startswith("tiny-llama~")
+    return f"kvs1@{spec.cache_prefix}@{layout.model_key}@s0.c0.d0.p0.g{group}@{block_hash.hex()}"
 
 
 def first_compute(warm: Engine, req_id: str):
@@ -61,7 +64,7 @@ def test_one_missing_block_is_the_one_block_recomputed(vllm_env, tiny_model, dae
         hashes = list(warm.request("warm").block_hashes)
 
         def lose_block_2(output):
-            daemon.remove_keys([key(cache_prefix, 0, hashes[2])])  # the value of block 2 (tokens 32..48)
+            daemon.remove_keys([key(warm, 0, hashes[2])])  # the value of block 2 (tokens 32..48)
 
         warm.step(before_worker=lose_block_2)
         request = warm.request("warm")
@@ -81,7 +84,7 @@ def test_failed_blocks_are_reported_exactly(vllm_env, tiny_model, daemon, cache_
         hashes = list(warm.request("warm").block_hashes)
         output = warm.scheduler.schedule()
         (load,) = output.kv_connector_metadata.loads
-        daemon.remove_keys([key(cache_prefix, 0, hashes[1]), key(cache_prefix, 0, hashes[3])])
+        daemon.remove_keys([key(warm, 0, hashes[1]), key(warm, 0, hashes[3])])
         worker = warm.worker
         worker.bind_connector_metadata(output.kv_connector_metadata)
         worker.start_load_kv(None)
@@ -106,7 +109,7 @@ def test_hybrid_failed_load_recomputes_the_request(vllm_env, tiny_model, daemon,
     try:
         warm.add("warm", PROMPT)
         hashes = list(warm.request("warm").block_hashes)
-        warm.step(before_worker=lambda _: daemon.remove_keys([key(cache_prefix, 0, hashes[2])]))
+        warm.step(before_worker=lambda _: daemon.remove_keys([key(warm, 0, hashes[2])]))
         # Reported as a failed receive: vLLM drops the whole hit and admits the request again...
         assert warm.request("warm").num_computed_tokens == 0
         # ...where a new lookup finds what is still stored: blocks 0-1 and the recurrent state after them.

@@ -72,6 +72,7 @@ def test_save_then_load_into_other_blocks_moves_the_exact_bytes(vllm_env, tiny_m
             hash_block_size=BLOCK,
             groups=engine_groups(kv).specs,
             cache_prefix=cache_prefix,
+            value_identity=connector.client.spec.value_identity,  # the worker's: same engine, same values
             role="scheduler",
         ) as scheduler:
             hit = scheduler.lookup(HASHES, 81)

@@ -12,6 +12,7 @@ register memory, loads, saves). This class only routes vLLM's calls to the side 
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,12 +23,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvsidecar_client.allocation import SharedMemoryAllocation
 from kvsidecar_client.client import SidecarClient
+from kvsidecar_client.vllm.identity import value_identity
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata
 from kvsidecar_client.vllm.plan import shape_of
 from kvsidecar_client.vllm.scheduler import SchedulerSide
 from kvsidecar_client.vllm.settings import DEFAULT_WAIT_SLACK, ConnectorSettings
-from kvsidecar_client.vllm.specs import engine_groups, hash_block_size, hash_bytes, layout_of_this_rank, parallel_layout
+from kvsidecar_client.vllm.specs import (
+    engine_groups,
+    hash_block_size,
+    hash_bytes,
+    hit_alignment,
+    layout_of_this_rank,
+    parallel_layout,
+)
 from kvsidecar_client.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -47,9 +57,12 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         groups = engine_groups(kv_cache_config)
         unit = hash_block_size(kv_cache_config, vllm_config)
+        alignment, fine_grained = hit_alignment(kv_cache_config, vllm_config)
         model_config = vllm_config.model_config
         scheduler = role == KVConnectorRole.SCHEDULER
         parallel = vllm_config.parallel_config
+        identity = value_identity(vllm_config, kv_cache_config, pinned=settings.model_identity or None)
+        log.info("kvsidecar value identity %s (docs/values.md)", identity)
         client = SidecarClient.connect(
             settings.socket,
             model=model_config.model,
@@ -58,9 +71,12 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             hash_block_size=unit,
             groups=groups.specs,
             cache_prefix=settings.cache_prefix,
+            value_identity=identity,
             role="scheduler" if scheduler else "rank",
             hash_bytes=hash_bytes(vllm_config.cache_config.prefix_caching_hash_algo),
             deadlines=settings.deadlines,
+            hit_alignment_tokens=alignment,
+            fine_grained_hits=fine_grained,
         )
         if transfer.is_kv_consumer and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
@@ -69,6 +85,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 transfer.kv_load_failure_policy,
             )
         self._client = client
+        self._cpu = getattr(vllm_config.device_config, "device_type", "") == "cpu"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         info = client.session_info
@@ -117,6 +134,11 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return meta if isinstance(meta, KVSidecarMetadata) else None
 
     # ---- worker side ----
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """On CPU, vLLM's KV-cache allocation in shared memory the daemon maps (GPU caches use CUDA IPC)."""
+        self._worker_side()
+        return SharedMemoryAllocation() if self._cpu else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)

@@ -30,6 +30,9 @@ class _Tracked:
     request: Any
     lookup_start: int = 0
     hit: Hit | None = None
+    # The store's answer while the request waits (None: a miss), and the (hashes, tokens) it was asked for.
+    answer: Hit | None = None
+    answer_key: tuple[int, int] | None = None
     saved_tokens: int = 0
     had_saves: bool = False
     loading: bool = False
@@ -70,7 +73,12 @@ class SchedulerSide:
     # ---- admission ----
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens past `num_computed_tokens` the store can serve; loaded asynchronously when there are any."""
+        """Tokens past `num_computed_tokens` the store can serve; loaded asynchronously when there are any.
+
+        vLLM asks again at every step while a request waits; the store is asked once, and its answer kept until
+        the request is scheduled (a preempted request asks afresh) or finished. A hit that goes stale meanwhile
+        is safe: the load names the blocks it could not write and vLLM recomputes them.
+        """
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             tracked = self._tracked[request.request_id] = _Tracked(request)
@@ -83,21 +91,33 @@ class SchedulerSide:
         hashes = list(request.block_hashes[: request.num_tokens // u])
         if len(hashes) * u <= num_computed_tokens:
             return 0, False  # the store cannot beat the local prefix cache
-        try:
-            hit = self._client.lookup(hashes, request.num_tokens, eagle=self._eagle)
-        except SidecarError as error:
-            # A lookup is an optimization: a refused one is a miss, and the engine recomputes.
-            log.warning("kvsidecar lookup for request %s failed, treating it as a miss: %s", request.request_id, error)
-            return 0, False
-        if hit.hit_tokens <= num_computed_tokens:
+        key = (len(hashes), request.num_tokens)
+        if tracked.answer_key != key:
+            tracked.answer = self._lookup(request, hashes)
+            tracked.answer_key = key
+        hit = tracked.answer
+        if hit is None or hit.hit_tokens <= num_computed_tokens:
             return 0, False
         tracked.hit = hit
         tracked.lookup_start = num_computed_tokens
         return hit.hit_tokens - num_computed_tokens, True
 
+    def _lookup(self, request: Any, hashes: list[bytes]) -> Hit | None:
+        """The store's hit for a request's hashes, or None for a miss."""
+        try:
+            hit = self._client.lookup(hashes, request.num_tokens, eagle=self._eagle)
+        except SidecarError as error:
+            # A lookup is an optimization: a refused one is a miss, and the engine recomputes.
+            log.warning("kvsidecar lookup for request %s failed, treating it as a miss: %s", request.request_id, error)
+            return None
+        return hit if hit.hit_tokens > 0 else None
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of a hit once vLLM has allocated the blocks it goes into."""
         tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            # Scheduled: the answer kept while it waited is spent (after a preemption it is asked afresh).
+            tracked.answer, tracked.answer_key = None, None
         if num_external_tokens <= 0 or tracked is None or tracked.hit is None:
             return
         hit, start = tracked.hit, tracked.lookup_start

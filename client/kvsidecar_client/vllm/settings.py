@@ -12,7 +12,7 @@ from kvsidecar_contract.paths import default_target
 
 __all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings"]
 
-_KEYS = frozenset({"socket", "cache_prefix", "timeouts"})
+_KEYS = frozenset({"socket", "cache_prefix", "model_identity", "timeouts"})
 _TIMEOUTS = frozenset({"connect", "register", "save", "lookup", "load", "control"})
 # How much longer than a save's own deadline the worker waits for it before vLLM may reuse its blocks: past the
 # deadline the daemon starts no put and removes what it wrote late, so the blocks are free again.
@@ -25,11 +25,14 @@ class ConnectorSettings:
 
     socket: the daemon's gRPC target (unix:///path, a bare /path, or host:port).
     cache_prefix: the deployment's namespace in the store; deployments with different prefixes never share a key.
+    model_identity: stands for the model's fingerprint (config and weights sample) in the value identity, for
+        deployments an operator vouches run the same model from checkpoints that sample differently (docs/values.md).
     timeouts: per-call deadlines in seconds, any of connect, register, save, lookup, load, control.
     """
 
     socket: str = field(default_factory=default_target)
     cache_prefix: str = ""
+    model_identity: str = ""
     deadlines: Deadlines = field(default_factory=Deadlines)
 
     @classmethod
@@ -43,8 +46,9 @@ class ConnectorSettings:
             )
         socket = extra.get("socket") or default_target()
         prefix = extra.get("cache_prefix", "")
-        if not isinstance(socket, str) or not isinstance(prefix, str):
-            raise InvalidRequest("kv_connector_extra_config: socket and cache_prefix must be strings")
+        pinned = extra.get("model_identity", "")
+        if not isinstance(socket, str) or not isinstance(prefix, str) or not isinstance(pinned, str):
+            raise InvalidRequest("kv_connector_extra_config: socket, cache_prefix and model_identity must be strings")
         timeouts = extra.get("timeouts") or {}
         if not isinstance(timeouts, Mapping):
             raise InvalidRequest(f"kv_connector_extra_config: timeouts must be an object, got {timeouts!r}")
@@ -55,4 +59,4 @@ class ConnectorSettings:
             deadlines = Deadlines(**{name: float(value) for name, value in timeouts.items()})
         except (TypeError, ValueError) as error:
             raise InvalidRequest(f"kv_connector_extra_config: bad timeouts {dict(timeouts)!r}: {error}") from None
-        return cls(socket=socket, cache_prefix=prefix, deadlines=deadlines)
+        return cls(socket=socket, cache_prefix=prefix, model_identity=pinned, deadlines=deadlines)

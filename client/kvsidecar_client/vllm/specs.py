@@ -31,6 +31,7 @@ __all__ = [
     "group_spec",
     "hash_block_size",
     "hash_bytes",
+    "hit_alignment",
     "layout_of_this_rank",
     "parallel_layout",
     "spec_kind",
@@ -121,6 +122,28 @@ def hash_block_size(kv_cache_config: KVCacheConfig, vllm_config: Any) -> int:
     return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
 
 
+def hit_alignment(kv_cache_config: KVCacheConfig, vllm_config: Any) -> tuple[int, bool]:
+    """(tokens every prefix-cache hit is a multiple of, whether hits may end inside a block), as vLLM has them.
+
+    vLLM's engine core resolves `cache_hit_alignment_tokens` into the KV-cache config and its coordinator lands
+    hits on it: the hash block size when fine-grained partial hits are on (an "align"-mode Mamba group and managers
+    that can all look up inside a block; a sliding window turns them off), else the least common multiple of every
+    group's block size, groups kvsidecar does not store included. External hits must land exactly there too.
+    """
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+
+    scheduler_block_size, resolved_unit = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    unit = int(kv_cache_config.hash_block_size or resolved_unit)
+    alignment = kv_cache_config.cache_hit_alignment_tokens
+    if not alignment:
+        # A KVCacheConfig built before the engine core resolved it (tests, tools): resolve it the same way.
+        alignment = resolve_cache_hit_alignment_tokens(kv_cache_config, vllm_config, scheduler_block_size, unit)
+    alignment = int(alignment)
+    # vLLM's coordinator aligns to the hash block exactly when partial hash hits are on (or when every block is one
+    # hash block long, where the two coincide).
+    return alignment, alignment == unit and alignment < scheduler_block_size
+
+
 def hash_bytes(algorithm: str) -> int:
     """Length of one block hash under vLLM's prefix_caching_hash_algo (32 for sha256, 16 for xxhash)."""
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -128,7 +151,9 @@ def hash_bytes(algorithm: str) -> int:
     return len(get_hash_fn_by_name(algorithm)(b""))
 
 
-def parallel_layout(parallel_config: Any, *, tp_rank: int = 0, pp_rank: int = 0, pcp_rank: int = 0) -> EngineLayout:
+def parallel_layout(
+    parallel_config: Any, *, tp_rank: int = 0, pp_rank: int = 0, pcp_rank: int = 0, dcp_rank: int | None = None
+) -> EngineLayout:
     """The session's EngineLayout: sizes from vLLM's ParallelConfig, ranks as given."""
     return EngineLayout(
         tp_size=int(parallel_config.tensor_parallel_size),
@@ -138,6 +163,7 @@ def parallel_layout(parallel_config: Any, *, tp_rank: int = 0, pp_rank: int = 0,
         pcp_size=int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1),
         pcp_rank=pcp_rank,
         dcp_size=int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1),
+        dcp_rank=dcp_rank,
     )
 
 
@@ -151,12 +177,16 @@ def layout_of_this_rank(parallel_config: Any) -> EngineLayout:
     from vllm.distributed import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
+        # Every rank as vLLM's parallel state defines it (rank_in_group of its TP, PP, PCP and DCP groups), never
+        # derived from the global rank here: the daemon checks them against vLLM's layout and refuses a mismatch.
         pcp_rank = ps.get_pcp_group().rank_in_group if getattr(ps, "_PCP", None) is not None else 0
+        dcp_rank = ps.get_dcp_group().rank_in_group if getattr(ps, "_DCP", None) is not None else None
         return parallel_layout(
             parallel_config,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pp_group().rank_in_group,
             pcp_rank=pcp_rank,
+            dcp_rank=dcp_rank,
         )
     layout = parallel_layout(parallel_config)
     if (layout.tp_size, layout.pp_size, layout.pcp_size) != (1, 1, 1):

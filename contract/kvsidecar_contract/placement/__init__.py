@@ -13,7 +13,15 @@ from kvsidecar_contract.placement.chunks import (
 )
 from kvsidecar_contract.placement.errors import InvalidLayout, InvalidRequest, PlacementError
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
-from kvsidecar_contract.placement.keys import KEY_TAIL_PATTERN, block_key, key_prefix, model_key, namespace_prefix
+from kvsidecar_contract.placement.keys import (
+    KEY_TAIL_PATTERN,
+    VALUE_FORMAT,
+    block_key,
+    key_prefix,
+    model_key,
+    namespace_prefix,
+    value_id,
+)
 from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, kind_of, parse_group, parse_groups
 from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
 from kvsidecar_contract.placement.spans import Spans, fine_grained, load_spans, save_spans
@@ -22,6 +30,7 @@ from kvsidecar_contract.placement.staged import StagedLookup
 __all__ = [
     "KEY_TAIL_PATTERN",
     "NO_BLOCK",
+    "VALUE_FORMAT",
     "Chunk",
     "Geometry",
     "GroupGeometry",
@@ -54,5 +63,6 @@ __all__ = [
     "save_plan",
     "save_spans",
     "span",
+    "value_id",
     "writes_chunk",
 ]

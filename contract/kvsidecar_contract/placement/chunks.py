@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from kvsidecar_contract.limits import NO_BLOCK
 from kvsidecar_contract.placement.errors import InvalidRequest
-from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, writes_chunk
+from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry
 from kvsidecar_contract.placement.keys import block_key
 from kvsidecar_contract.placement.spans import load_spans, save_spans
 
@@ -46,13 +46,12 @@ def save_plan(
         raise InvalidRequest(
             f"{num_tokens} tokens need {num_tokens // u} block hashes (one per {u} tokens), got {len(block_hashes)}"
         )
-    rank = geo.layout.parallel.tp_rank
     chunks: list[Chunk] = []
     others = absent = 0
     for group in geo.groups:
         ids = block_ids[group.index]
-        for index, boundary in save_spans(group.spec, group.span, u, geo.fine_grained, num_tokens, saved_tokens):
-            if not writes_chunk(rank, group.index, index, group.factor):
+        for index, boundary in save_spans(group.spec, group.span, u, group.fine, num_tokens, saved_tokens):
+            if not group.writes(index):
                 others += 1
                 continue
             _check_index(group, ids, index)

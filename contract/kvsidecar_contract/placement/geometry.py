@@ -6,26 +6,63 @@ from dataclasses import dataclass
 
 from kvsidecar_contract.placement.errors import InvalidLayout
 from kvsidecar_contract.placement.keys import namespace_prefix
-from kvsidecar_contract.placement.layout import GroupSpec, Layout
+from kvsidecar_contract.placement.layout import GroupSpec, Layout, Parallel
 from kvsidecar_contract.placement.spans import Spans, span
 
-__all__ = ["MAX_NAMESPACES", "Geometry", "GroupGeometry", "replication_factor", "span", "writes_chunk"]
+__all__ = [
+    "MAX_NAMESPACES",
+    "Geometry",
+    "GroupGeometry",
+    "byte_classes",
+    "head_shard",
+    "replication_factor",
+    "span",
+    "writes_chunk",
+]
 
 MAX_NAMESPACES = 1 << 16  # key prefixes a session precomputes, summed over its groups
 
 
-def replication_factor(group: GroupSpec, tp_size: int, num_kv_heads: int, dcp_size: int) -> int:
-    """Rule 1: how many TP ranks hold byte-identical bytes for this group."""
-    if dcp_size > 1 or group.recurrent:
-        return 1
+def head_shard(group: GroupSpec, tp_rank: int, tp_size: int, num_kv_heads: int) -> int:
+    """Which part of a group's bytes across TP a rank holds: equal exactly for ranks holding the same heads.
+
+    Recurrent state is sharded by head and dim on every rank; the MLA latent is on every rank; ordinary attention
+    heads are split over TP, each of them replicated on T/H consecutive ranks when T > H (vLLM's
+    get_num_kv_heads: max(1, H // T) heads per rank).
+    """
+    if group.recurrent:
+        return tp_rank
     if all(k.latent for k in group.members):
-        return tp_size
-    return max(1, tp_size // num_kv_heads)
+        return 0
+    return tp_rank // max(1, tp_size // num_kv_heads)
 
 
-def writes_chunk(tp_rank: int, group: int, chunk: int, factor: int) -> bool:
-    """Rule 4: inside a replication set exactly one rank writes each chunk; the writer rotates with g."""
-    return chunk % factor == (tp_rank + group) % factor
+def byte_classes(group: GroupSpec, par: Parallel, num_kv_heads: int) -> list[list[int]]:
+    """The TP ranks of one PCP rank partitioned by identical bytes (rule 1), each class ascending.
+
+    A rank holds its heads (head_shard) of its DCP slice of the sequence: vLLM's slot mapping puts token i on
+    DCP rank (i // interleave) mod D, whatever DCP group the rank is in, so two ranks hold the same bytes iff they
+    hold the same heads and the same DCP rank. The partition is the same on every PCP rank (the DCP rank depends on
+    the PCP rank only through a constant when D is 1 or C, and is unique per rank when D = T * C).
+    """
+    classes: dict[tuple[int, int], list[int]] = {}
+    for r in range(par.tp_size):
+        key = (head_shard(group, r, par.tp_size, num_kv_heads), par.dcp_rank_at(r, 0))
+        classes.setdefault(key, []).append(r)
+    return sorted(classes.values())
+
+
+def replication_factor(group: GroupSpec, tp_size: int, num_kv_heads: int, dcp_size: int) -> int:
+    """Rule 1: how many TP ranks hold byte-identical bytes for this group (those of TP rank 0, without PCP)."""
+    return len(byte_classes(group, Parallel(tp_size=tp_size, dcp_size=dcp_size), num_kv_heads)[0])
+
+
+def writes_chunk(member: int, group: int, chunk: int, factor: int) -> bool:
+    """Rule 4: inside a replication set exactly one rank writes each chunk; the writer rotates with g.
+
+    member is the rank's index in its replication set (r mod f when the set is f consecutive ranks).
+    """
+    return chunk % factor == (member + group) % factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,16 +71,22 @@ class GroupGeometry:
 
     index: int
     spec: GroupSpec
-    factor: int
+    factor: int  # ranks in this rank's replication set
     span: int
-    shard: int  # this rank's shard id (rule 2)
+    shard: int  # this rank's shard id (rule 2): which heads it holds
     prefix: str  # this rank's own namespace
     lookup_prefixes: tuple[str, ...]  # every namespace a boundary must exist in (rule 7)
+    member: int = 0  # this rank's index in its replication set (rule 4)
+    fine: bool = False  # hits may end inside this group's blocks
 
     @property
     def keys_per_boundary(self) -> int:
         """Rule 7: namespaces that must all hold a boundary before it counts as stored."""
         return len(self.lookup_prefixes)
+
+    def writes(self, chunk: int) -> bool:
+        """Rule 4 for this rank: whether it writes the group's chunk `chunk`."""
+        return writes_chunk(self.member, self.index, chunk, self.factor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +102,8 @@ class Geometry:
     def of(cls, layout: Layout) -> Geometry:
         """Derive the geometry of a validated layout."""
         par = layout.parallel
-        factors = [replication_factor(spec, par.tp_size, layout.num_kv_heads, par.dcp_size) for spec in layout.groups]
-        namespaces = sum(par.pcp_size * (par.tp_size // f) * par.pp_size for f in factors)
+        partitions = [byte_classes(spec, par, layout.num_kv_heads) for spec in layout.groups]
+        namespaces = sum(par.pcp_size * len(classes) * par.pp_size for classes in partitions)
         if namespaces > MAX_NAMESPACES:
             raise InvalidLayout(
                 f"this layout needs {namespaces} key namespaces per boundary across its groups, more than "
@@ -69,25 +112,36 @@ class Geometry:
         spans = Spans.of(layout)
         groups = []
         for g, spec in enumerate(layout.groups):
-            f = factors[g]
-            shard = par.tp_rank // f
-            # Shard ids run over T/f; under DCP f = 1 so a shard is a rank and its dcp field is r mod D.
+            classes = partitions[g]
+            mine = next(c for c in classes if par.tp_rank in c)
+            shard = head_shard(spec, par.tp_rank, par.tp_size, layout.num_kv_heads)
+            # One namespace per replication set, on every PCP rank and pipeline stage; a set is named by the heads
+            # its ranks hold (tp_rank field) and their DCP rank.
             lookup = tuple(
-                namespace_prefix(layout.model_key, layout.cache_prefix, s, c, s % par.dcp_size, p, g)
+                namespace_prefix(
+                    layout.model_key,
+                    layout.cache_prefix,
+                    head_shard(spec, members[0], par.tp_size, layout.num_kv_heads),
+                    c,
+                    par.dcp_rank_at(members[0], c),
+                    p,
+                    g,
+                )
                 for c in range(par.pcp_size)
-                for s in range(par.tp_size // f)
+                for members in classes
                 for p in range(par.pp_size)
             )
             own = namespace_prefix(
                 layout.model_key, layout.cache_prefix, shard, par.pcp_rank, par.dcp_rank, par.pp_rank, g
             )
-            groups.append(GroupGeometry(g, spec, f, spans.spans[g], shard, own, lookup))
+            s, mid = spans.spans[g], spans.mid[g]
+            groups.append(GroupGeometry(g, spec, len(mine), s, shard, own, lookup, mine.index(par.tp_rank), mid))
         return cls(layout, tuple(groups), spans.fine_grained, spans.unit)
 
     def probed_boundaries(self, group: GroupGeometry, num_hashes: int) -> range:
         """Hash indices (boundary // U - 1) whose keys a lookup probes for this group."""
         u = self.layout.hash_block_size
         # Fine-grained hits can end mid-block (tails under any U boundary, recurrent state at any U boundary);
-        # otherwise every hit length is a block end of every group.
-        step = 1 if self.fine_grained else group.span // u
+        # otherwise every hit length is a block end of the group.
+        step = 1 if group.fine else group.span // u
         return range(step - 1, num_hashes, step)

@@ -1,30 +1,75 @@
-"""Store key strings (rule 3), byte-compatible with vLLM's in-tree Mooncake store connector."""
+"""Store key strings (rule 3): one namespace per value meaning, structurally disjoint from vLLM's in-tree keys.
+
+    kvs1@<cache_prefix>@<model>~<value_id>@s<shard>.c<pcp>.d<dcp>.p<pp>.g<group>@<hash_hex>
+
+`<value_id>` (docs/values.md) is a digest of everything that decides what a value's bytes mean: the client's value
+identity (model config, weights sample or revision, dtypes, physical layout, region order), the session's groups,
+KV heads, hash block size and parallel sizes, and VALUE_FORMAT. Two engines share a key only when all of it agrees.
+
+Why keys can never equal a key of vLLM's in-tree Mooncake store connector: every in-tree key ends with
+`@group:<int>@<hex>` (vLLM 0.33 `PoolKey.build_prefix` always writes `@group:`, then `@<chunk hash hex>`), whatever
+its cache prefix, model name or store namespace hold. Hex holds no '@', so in any key the field before the last '@'
+is well defined; ours is `s<int>.c<int>.d<int>.p<int>.g<int>`, which holds no ':', and theirs always does.
+"""
 
 from __future__ import annotations
 
-# Everything after `[<cache_prefix>@]<model>@` in a key, as a regular expression (the same in Python and in
-# Mooncake's ECMAScript flavour): what a reset of one model must match exactly, so a model named like another
-# tenant's key can never be swept along with it.
-KEY_TAIL_PATTERN = r"tp_rank:[0-9]+@pcp[0-9]+@dcp[0-9]+@pp_rank:[0-9]+@group:[0-9]+@[0-9a-f]+"
+import hashlib
+import json
+from collections.abc import Mapping
+
+__all__ = [
+    "FORMAT_TAG",
+    "KEY_TAIL_PATTERN",
+    "VALUE_FORMAT",
+    "VALUE_ID_CHARS",
+    "block_key",
+    "hash_suffixes",
+    "key_prefix",
+    "model_key",
+    "namespace_prefix",
+    "value_id",
+]
+
+# The value format: how the daemon builds a block's value from the registered regions (one group's regions, in
+# registration order, each its block's bytes). Bump it whenever that changes: old values then never match.
+VALUE_FORMAT = 1
+FORMAT_TAG = f"kvs{VALUE_FORMAT}"
+VALUE_ID_CHARS = 24  # hex digits of the value id (96 bits)
+
+# Everything after key_prefix(model, cache_prefix) in a key, as a regular expression (the same in Python and in
+# Mooncake's ECMAScript flavour): what a reset of one model must match exactly, so a model whose name continues
+# this one's ("a~b" after "a") can never be swept along with it. Every value id of the model matches.
+KEY_TAIL_PATTERN = rf"[0-9a-f]{{{VALUE_ID_CHARS}}}@s[0-9]+\.c[0-9]+\.d[0-9]+\.p[0-9]+\.g[0-9]+@[0-9a-f]+"
+
+
+def value_id(identity: str, session: Mapping[str, object]) -> str:
+    """A namespace's value id: a digest of the client's identity, what the daemon knows of the session, the format."""
+    text = json.dumps({"format": VALUE_FORMAT, "identity": identity, "session": session}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:VALUE_ID_CHARS]
 
 
 def model_key(model: str) -> str:
-    """The model's field in keys: the last path component of its name (a model key is its own model key)."""
+    """The model's name in keys: the last path component of its name (a model key is its own model key)."""
     return model.rstrip("/").split("/")[-1]
 
 
 def key_prefix(model: str, cache_prefix: str) -> str:
-    """`[<cache_prefix>@]<model key>@`: the start of every key of one model under one cache prefix."""
-    head = f"{cache_prefix}@" if cache_prefix else ""
-    return f"{head}{model_key(model)}@"
+    """`kvs1@<cache_prefix>@<model key>~`: the start of every key of one model, any value id, under one prefix."""
+    return f"{FORMAT_TAG}@{cache_prefix}@{model_key(model)}~"
 
 
 def namespace_prefix(
     model_key: str, cache_prefix: str, shard: int, pcp_rank: int, dcp_rank: int, pp_rank: int, group: int
 ) -> str:
-    """The key prefix of one namespace: everything before `@<hash_hex>`."""
-    head = key_prefix(model_key, cache_prefix)
-    return f"{head}tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"
+    """The key prefix of one namespace: everything before `@<hash_hex>`.
+
+    `model_key` is a Layout's: `<model key>~<value id>` (the id is hex, so the last '~' splits them).
+    """
+    name, sep, vid = model_key.rpartition("~")
+    if not sep or not vid:
+        raise ValueError(f"a namespace needs a model key with its value id (`name~id`), got {model_key!r}")
+    return f"{key_prefix(name, cache_prefix)}{vid}@s{shard}.c{pcp_rank}.d{dcp_rank}.p{pp_rank}.g{group}"
 
 
 def block_key(prefix: str, block_hash: bytes) -> str:

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from kvsidecar_contract.placement.errors import InvalidLayout
-from kvsidecar_contract.placement.keys import model_key
+from kvsidecar_contract.placement.keys import model_key, value_id
 
 # Limits far past any real engine that keep every derived value (spans, alignment, namespaces) small: an absurd
 # layout is refused at once instead of costing the daemon seconds and gigabytes.
@@ -106,9 +106,37 @@ class GroupSpec:
         return f"{self.kind.value}:{self.window}" if self.kind.sliding else self.kind.value
 
 
+def dcp_rank_of(tp_rank: int, pcp_rank: int, tp_size: int, pcp_size: int, dcp_size: int) -> int:
+    """The DCP rank vLLM's parallel state gives TP rank r on PCP rank c: rank_in_group of its DCP group.
+
+    vLLM lays ranks out as PP x PCP x TP and builds DCP groups over the (TP, PCP) plane with PCP varying fastest
+    (`initialize_model_parallel`: all_ranks.transpose(-1, -2).reshape(-1, D)), so the rank is (r * C + c) mod D.
+    Without PCP that is r mod D; with D = C it is c; with D = T * C every rank has its own.
+    """
+    return (tp_rank * pcp_size + pcp_rank) % dcp_size if dcp_size > 1 else 0
+
+
+def check_dcp_size(tp_size: int, pcp_size: int, dcp_size: int) -> None:
+    """Refuse a DCP size vLLM's ParallelConfig refuses: D divides T without PCP, D in {1, C, T * C} with it."""
+    if dcp_size < 1:
+        raise InvalidLayout(f"dcp_size must be >= 1, got {dcp_size}")
+    if pcp_size == 1:
+        if tp_size % dcp_size:
+            raise InvalidLayout(f"dcp_size {dcp_size} must divide tp_size {tp_size} (DCP reuses the TP ranks)")
+    elif dcp_size not in (1, pcp_size, tp_size * pcp_size):
+        raise InvalidLayout(
+            f"with pcp_size {pcp_size}, dcp_size must be 1, pcp_size or tp_size * pcp_size "
+            f"({sorted({1, pcp_size, tp_size * pcp_size})}), got {dcp_size}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Parallel:
-    """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP size D."""
+    """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP (D, d).
+
+    dcp_rank is what the engine's parallel state says (-1: derive it with dcp_rank_of); a rank that disagrees
+    with vLLM's layout is refused, since its keys would be in a namespace no lookup asks for.
+    """
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -117,6 +145,7 @@ class Parallel:
     pcp_size: int = 1
     pcp_rank: int = 0
     dcp_size: int = 1
+    dcp_rank: int = -1
 
     def __post_init__(self) -> None:
         for name, size, rank, most in (
@@ -128,15 +157,20 @@ class Parallel:
                 raise InvalidLayout(f"{name}_size must be in [1, {most}], got {size}")
             if not 0 <= rank < size:
                 raise InvalidLayout(f"{name}_rank must be in [0, {size}), got {rank}")
-        if self.dcp_size < 1:
-            raise InvalidLayout(f"dcp_size must be >= 1, got {self.dcp_size}")
-        if self.tp_size % self.dcp_size:
-            raise InvalidLayout(f"dcp_size {self.dcp_size} must divide tp_size {self.tp_size}")
+        check_dcp_size(self.tp_size, self.pcp_size, self.dcp_size)
+        expected = dcp_rank_of(self.tp_rank, self.pcp_rank, self.tp_size, self.pcp_size, self.dcp_size)
+        if self.dcp_rank == -1:
+            object.__setattr__(self, "dcp_rank", expected)
+        elif self.dcp_rank != expected:
+            raise InvalidLayout(
+                f"dcp_rank {self.dcp_rank} is not the DCP rank of tp_rank {self.tp_rank} on pcp_rank {self.pcp_rank} "
+                f"with (tp, pcp, dcp) sizes ({self.tp_size}, {self.pcp_size}, {self.dcp_size}): vLLM's parallel "
+                f"state gives {expected}"
+            )
 
-    @property
-    def dcp_rank(self) -> int:
-        """d = r mod D: which slice of the sequence this rank holds under DCP."""
-        return self.tp_rank % self.dcp_size
+    def dcp_rank_at(self, tp_rank: int, pcp_rank: int) -> int:
+        """The DCP rank of another rank of the same engine."""
+        return dcp_rank_of(tp_rank, pcp_rank, self.tp_size, self.pcp_size, self.dcp_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +183,16 @@ class Layout:
     num_kv_heads: int = 1
     hash_block_size: int = 16
     cache_prefix: str = ""
+    # vLLM's own hit alignment and fine-grained rule (its KV-cache config), or 0 / None: derive them (rule 9).
+    hit_alignment_tokens: int = 0
+    fine_grained_hits: bool | None = None
+    value_identity: str = ""  # the client's digest of what its bytes mean (docs/values.md)
 
     def __post_init__(self) -> None:
-        if not self.model_key:
+        if not self.model_name:
             raise InvalidLayout(f"model name {self.model!r} has no last path component")
         # '@' separates key fields: letting it into a name would let one tenant forge another's keys.
-        if "@" in self.model_key:
+        if "@" in self.model_name:
             raise InvalidLayout(f"model name must not contain '@': {self.model!r}")
         if "@" in self.cache_prefix:
             raise InvalidLayout(f"cache_prefix must not contain '@': {self.cache_prefix!r}")
@@ -179,16 +217,43 @@ class Layout:
         tp, heads = self.parallel.tp_size, self.num_kv_heads
         if any(g.gqa for g in self.groups) and heads % tp and tp % heads:
             raise InvalidLayout(f"num_kv_heads {heads} and tp_size {tp} must divide one another")
+        u, unit = self.hash_block_size, self.hit_alignment_tokens
+        if unit and (unit % u or unit > MAX_TOKENS):
+            raise InvalidLayout(
+                f"hit_alignment_tokens {unit} must be a multiple of hash_block_size {u}, at most {MAX_TOKENS}"
+            )
+        if unit and self.fine_grained_hits and unit != u:
+            raise InvalidLayout(
+                f"fine-grained hits land on every hash block: hit_alignment_tokens must be hash_block_size {u}, "
+                f"got {unit}"
+            )
 
     def for_rank(self, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> Layout:
         """The same engine seen from another rank."""
-        par = replace(self.parallel, tp_rank=tp_rank, pcp_rank=pcp_rank, pp_rank=pp_rank)
+        par = replace(self.parallel, tp_rank=tp_rank, pcp_rank=pcp_rank, pp_rank=pp_rank, dcp_rank=-1)
         return replace(self, parallel=par)
 
     @property
-    def model_key(self) -> str:
-        """The model's field in keys: the last path component of its name."""
+    def model_name(self) -> str:
+        """The last path component of the model's name."""
         return model_key(self.model)
+
+    @property
+    def value_id(self) -> str:
+        """What this engine's values mean: the client's identity and everything here that shapes a shard's bytes."""
+        par = self.parallel
+        session = {
+            "groups": [[g.kind.value, g.block_size, g.window, [k.value for k in g.inner]] for g in self.groups],
+            "num_kv_heads": self.num_kv_heads,
+            "hash_block_size": self.hash_block_size,
+            "parallel": [par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
+        }
+        return value_id(self.value_identity, session)
+
+    @property
+    def model_key(self) -> str:
+        """The model's field in keys: the last path component of its name, then `~` and the value id."""
+        return f"{self.model_name}~{self.value_id}"
 
 
 def kind_of(name: str, what: str = "group kind", where: str = "") -> Kind:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from kvsidecar_contract.placement.errors import InvalidRequest
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry
 from kvsidecar_contract.placement.keys import hash_suffixes
+from kvsidecar_contract.placement.spans import first_needed_block
 
 MAX_PROBE_KEYS = 2_000_000  # one lookup's keys: a 1M-token prompt at U=16 and T=8 with three groups is ~1.1M
 
@@ -154,7 +155,7 @@ class _Server:
         last = (hit - 1) // s
         whole_end = last + 1 if hit % s == 0 else last
         window = spec.attention_window
-        first = 0 if window is None else max(0, (hit - window) // s)
+        first = first_needed_block(spec, hit, s)
         if window is None:
             # Full attention needs every block from 0: nothing reaching past the first missing block is servable.
             k = self._missing_blocks[0] if self._missing_blocks else -1
@@ -180,13 +181,14 @@ class _Server:
         at_end = hit % s == 0
         if not spec.attention:
             return hit if self.stored[i] else None
-        window = spec.attention_window
-        first = 0 if window is None else max(0, (hit - window) // s)
+        first = first_needed_block(spec, hit, s)
         whole_end = last + 1 if at_end else last  # blocks [first, whole_end) must be stored whole
         if whole_end >= len(self.missing) or self.missing[whole_end] - self.missing[min(first, whole_end)]:
             return None
         if at_end:
             return hit
+        if not self.group.fine:  # vLLM's manager for this group only serves its own block ends
+            return None
         if spec.recurrent:  # a packed value with state in it is only valid at exactly its boundary
             return hit if self.stored[i] else None
         p = bisect.bisect_left(self.positions, i)

@@ -34,15 +34,17 @@ MAMBA: GroupKind
 UNIFORM: GroupKind
 
 class EngineIdentity(_message.Message):
-    __slots__ = ("model", "cache_prefix")
+    __slots__ = ("model", "cache_prefix", "value_identity")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CACHE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    VALUE_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     cache_prefix: str
-    def __init__(self, model: _Optional[str] = ..., cache_prefix: _Optional[str] = ...) -> None: ...
+    value_identity: str
+    def __init__(self, model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., value_identity: _Optional[str] = ...) -> None: ...
 
 class ParallelLayout(_message.Message):
-    __slots__ = ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size")
+    __slots__ = ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size", "dcp_rank")
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,7 @@ class ParallelLayout(_message.Message):
     PCP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PCP_RANK_FIELD_NUMBER: _ClassVar[int]
     DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DCP_RANK_FIELD_NUMBER: _ClassVar[int]
     tp_size: int
     tp_rank: int
     pp_size: int
@@ -57,7 +60,8 @@ class ParallelLayout(_message.Message):
     pcp_size: int
     pcp_rank: int
     dcp_size: int
-    def __init__(self, tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pcp_size: _Optional[int] = ..., pcp_rank: _Optional[int] = ..., dcp_size: _Optional[int] = ...) -> None: ...
+    dcp_rank: int
+    def __init__(self, tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pcp_size: _Optional[int] = ..., pcp_rank: _Optional[int] = ..., dcp_size: _Optional[int] = ..., dcp_rank: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
     __slots__ = ("kind", "block_size", "window", "inner")
@@ -72,7 +76,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., block_size: _Optional[int] = ..., window: _Optional[int] = ..., inner: _Optional[_Iterable[_Union[GroupKind, str]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name")
+    __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name", "hit_alignment_tokens", "fine_grained_hits")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,8 @@ class OpenSessionRequest(_message.Message):
     HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    HIT_ALIGNMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINE_GRAINED_HITS_FIELD_NUMBER: _ClassVar[int]
     engine: EngineIdentity
     parallel: ParallelLayout
     num_kv_heads: int
@@ -89,7 +95,9 @@ class OpenSessionRequest(_message.Message):
     hash_bytes: int
     role: Role
     client_name: str
-    def __init__(self, engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., num_kv_heads: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., hash_bytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., client_name: _Optional[str] = ...) -> None: ...
+    hit_alignment_tokens: int
+    fine_grained_hits: bool
+    def __init__(self, engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., num_kv_heads: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., hash_bytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., client_name: _Optional[str] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ...) -> None: ...
 
 class GroupPlacement(_message.Message):
     __slots__ = ("replication_factor", "shard_id", "keys_per_boundary", "span_tokens")
@@ -340,7 +348,7 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters")
+    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "listeners")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +363,7 @@ class StatsResponse(_message.Message):
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LISTENERS_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     uptime_seconds: float
     store_healthy: bool
@@ -362,4 +371,17 @@ class StatsResponse(_message.Message):
     master_address: str
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    listeners: _containers.RepeatedCompositeFieldContainer[ListenerInfo]
+    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., listeners: _Optional[_Iterable[_Union[ListenerInfo, _Mapping]]] = ...) -> None: ...
+
+class ListenerInfo(_message.Message):
+    __slots__ = ("role", "address", "allowed", "dropped_packets")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PACKETS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    allowed: str
+    dropped_packets: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., allowed: _Optional[str] = ..., dropped_packets: _Optional[int] = ...) -> None: ...

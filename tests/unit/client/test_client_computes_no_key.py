@@ -30,8 +30,9 @@ KEY_NAMES = frozenset(
     }
 )
 KEY_MODULES = ("kvsidecar_contract.placement.keys", "kvsidecar_contract.placement.geometry")
-# Fragments of the key format `[<prefix>@]<model>@tp_rank:<s>@pcp<c>@dcp<d>@pp_rank:<p>@group:<g>@<hex>`.
-KEY_FRAGMENTS = ("tp_rank:", "@pcp", "@dcp", "pp_rank:", "@group:")
+# Fragments of the key format `kvs1@<prefix>@<model>~<value id>@s<s>.c<c>.d<d>.p<p>.g<g>@<hex>` and of the
+# earlier (and vLLM in-tree) format `[<prefix>@]<model>@tp_rank:<s>@pcp<c>@dcp<d>@pp_rank:<p>@group:<g>@<hex>`.
+KEY_FRAGMENTS = ("kvs1@", "tp_rank:", "@pcp", "@dcp", "pp_rank:", "@group:")
 
 CLIENT = Path(kvsidecar_client.__file__).parent
 
@@ -73,8 +74,9 @@ def test_the_scan_sees_each_way_of_computing_a_key(tmp_path, monkeypatch):
         "from kvsidecar_contract import placement\n"
         "placement.block_key('p', b'')\n"
         "k = f'{m}@tp_rank:{r}@pcp0'\n"
+        "k = f'kvs1@{p}@{m}'\n"
     )
-    assert len(offences(bad)) == 5
+    assert len(offences(bad)) == 6
 
 
 def test_no_imported_client_module_holds_a_key_function():

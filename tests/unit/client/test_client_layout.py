@@ -28,10 +28,12 @@ def spec(**overrides):
 
 
 def test_layout_to_proto():
-    layout = EngineLayout(tp_size=8, tp_rank=5, pp_size=2, pp_rank=1, pcp_size=2, pcp_rank=0, dcp_size=4)
+    # (T, C, D) = (8, 2, 16): DCP over all of TP x PCP, which vLLM accepts (D = 4 with C = 2 it refuses).
+    layout = EngineLayout(tp_size=8, tp_rank=5, pp_size=2, pp_rank=1, pcp_size=2, pcp_rank=1, dcp_size=16, dcp_rank=11)
     assert layout.to_proto() == pb.ParallelLayout(
-        tp_size=8, tp_rank=5, pp_size=2, pp_rank=1, pcp_size=2, pcp_rank=0, dcp_size=4
+        tp_size=8, tp_rank=5, pp_size=2, pp_rank=1, pcp_size=2, pcp_rank=1, dcp_size=16, dcp_rank=11
     )
+    assert not EngineLayout(tp_size=4, dcp_size=2).to_proto().HasField("dcp_rank")  # unset: the daemon derives it
     assert EngineLayout().to_proto() == pb.ParallelLayout(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1)
 
 
@@ -45,6 +47,9 @@ def test_layout_to_proto():
         (dict(pcp_size=0), "pcp_size"),
         (dict(tp_size=4, dcp_size=3), "dcp_size 3 must divide tp_size 4"),
         (dict(dcp_size=0), "dcp_size"),
+        (dict(tp_size=2, pcp_size=2, dcp_size=3), "dcp_size must be 1, pcp_size or tp_size"),
+        (dict(tp_size=4, tp_rank=3, dcp_size=2, dcp_rank=0), "dcp_rank 0 is not the DCP rank of tp_rank 3"),
+        (dict(tp_size=2, tp_rank=1, pcp_size=2, dcp_size=2, dcp_rank=1), "vLLM's parallel state gives 0"),
         (dict(tp_size=True), "tp_size must be an int"),
         (dict(tp_size=2.0), "tp_size must be an int"),
     ],

@@ -15,6 +15,7 @@ from kvsidecar_client import InvalidRequest, shared_tensor
 from kvsidecar_client.memory import (
     SHM_DIR,
     cuda_ipc_handle,
+    dense_pieces,
     describe_region,
     describe_regions,
     region_geometry,
@@ -175,10 +176,47 @@ def test_a_single_block_view_has_a_usable_stride():
     assert region_geometry(kv[2:3]) == (64, 32, 32, 1)
 
 
-def test_a_permuted_block_is_refused_with_the_reason():
+def test_a_permuted_dense_block_is_one_region_of_its_bytes():
+    # vLLM's default LBNHC view: [B, H, N, C] over memory laid out [B, N, H, C]; a block is one byte range.
     kv = shared_tensor((4, 16, 2, 8), torch.float16)
+    view = kv.transpose(1, 2)
+    assert region_geometry(view) == (0, 512, 512, 4)
+    pieces = dense_pieces(view)
+    assert len(pieces) == 1 and pieces[0] is view
+
+
+def test_a_block_with_gaps_is_refused_with_the_reason():
+    kv = shared_tensor((4, 2, 16, 8), torch.float16)
     with pytest.raises(InvalidRequest, match="not contiguous"):
-        describe_region(kv.transpose(1, 2), [0])
+        describe_region(kv[:, :, :8], [0])
+
+
+def test_heads_outer_blocks_split_into_one_dense_piece_per_head():
+    # LHBNC: [H, B, N, C] in memory; block b of head h is [h * B * 256 + b * 256, + 256) elements.
+    memory = shared_tensor((2, 4, 16, 16), torch.float16)
+    view = memory.permute(1, 0, 2, 3)
+    pieces = dense_pieces(view)
+    assert [region_geometry(p) for p in pieces] == [(0, 512, 512, 4), (4 * 512, 512, 512, 4)]
+    assert [r.block_bytes for r in describe_regions([(view, (0,))])] == [512, 512]
+
+
+def test_padded_pages_keep_their_stride_and_leave_the_padding_out():
+    memory = shared_tensor((4, 1024), torch.int8)
+    assert region_geometry(memory[:, :112].view(4, 1, 1, 112)) == (0, 1024, 112, 4)
+
+
+def test_overlapping_elements_within_a_block_are_refused():
+    memory = shared_tensor(64, torch.float32)
+    with pytest.raises(InvalidRequest, match="overlap"):
+        dense_pieces(memory.as_strided((4, 3, 4), (16, 2, 1)))
+    with pytest.raises(InvalidRequest, match="stride of 0"):
+        dense_pieces(memory.as_strided((4, 3, 4), (16, 0, 1)))
+
+
+def test_more_pieces_than_a_session_may_register_are_refused():
+    memory = shared_tensor((5000, 2, 2), torch.float32)  # 2 blocks of 5000 gapped pieces each
+    with pytest.raises(InvalidRequest, match="dense pieces"):
+        dense_pieces(memory.permute(1, 0, 2))
 
 
 def test_overlapping_blocks_are_refused():

@@ -29,9 +29,15 @@ def test_default_socket_path():
 
 def test_file_then_flags(tmp_path):
     f = tmp_path / "kvsidecar.toml"
-    f.write_text('segment-size = "2GiB"\nmaster = "10.0.0.1:50051"\nsocket_mode = "0600"\nworkers = 3\n')
+    f.write_text(
+        'segment-size = "2GiB"\nmaster = "10.0.0.1:50051"\nsocket_mode = "0600"\nworkers = 3\n'
+        'peer-network = ["10.0.0.0/16", "fd00::/8"]\n'
+    )
     cfg = parse("--config", str(f), "--workers", "5")
     assert (cfg.segment_size, cfg.master, cfg.socket_mode, cfg.workers) == (2 << 30, "10.0.0.1:50051", 0o600, 5)
+    assert cfg.peer_network == ("10.0.0.0/16", "fd00::/8")
+    # flags replace the file's list
+    assert parse("--config", str(f), "--peer-network", "10.9.0.0/16").peer_network == ("10.9.0.0/16",)
 
 
 @pytest.mark.parametrize(
@@ -74,3 +80,26 @@ def test_bad_flags(argv, reason):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         parse("--config", str(tmp_path / "absent.toml"))
+
+
+def test_a_cluster_master_needs_peer_networks():
+    with pytest.raises(ConfigError, match="--peer-network CIDR"):
+        parse("--master", "10.0.0.1:50051")
+    cfg = parse("--master", "10.0.0.1:50051", "--peer-network", "10.0.0.0/16", "--peer-network", "fd00:1::/32")
+    assert cfg.peer_network == ("10.0.0.0/16", "fd00:1::/32")
+    # a master on loopback has only this host's processes as peers, and loopback is always allowed
+    assert parse("--master", "127.0.0.1:50051").peer_network == ()
+    assert parse("--master", "localhost:50051").peer_network == ()
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (("--peer-network", "10.0.0.0/16"), "only applies with --master"),
+        (("--master", "10.0.0.1:1", "--peer-network", "10.0.0.0/33"), "peer-network: not a network: '10.0.0.0/33'"),
+        (("--master", "10.0.0.1:1", "--peer-network", "nonsense"), "not a network"),
+    ],
+)
+def test_bad_peer_networks(argv, reason):
+    with pytest.raises(ConfigError, match=reason):
+        parse(*argv)

@@ -57,7 +57,7 @@ def test_store_down_during_lookup_is_a_degraded_miss(daemon, store, rank):
 
 def test_unknown_probe_results_are_misses(store, rank):
     rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)
-    mamba_key = next(k for k in store.keys() if "@group:1@" in k and k.endswith(H[3].hex()))
+    mamba_key = next(k for k in store.keys() if ".g1@" in k and k.endswith(H[3].hex()))
     store.fail_keys(StoreCode.RPC_TIMEOUT, [mamba_key], ["exists"])
     assert rank.lookup(H[:4], 65).hit_tokens == 48
 
@@ -103,7 +103,7 @@ def test_whole_put_failure_fails_every_block(store, rank):
 def test_failed_gets_name_exactly_their_blocks_and_nothing_else_is_touched(daemon, store, rank):
     rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)
     hit = rank.lookup(H[:4], 65)
-    broken = next(k for k in store.keys() if "@group:0@" in k and k.endswith(H[1].hex()))
+    broken = next(k for k in store.keys() if ".g0@" in k and k.endswith(H[1].hex()))
     store.fail_keys(StoreCode.TRANSFER_FAILED, [broken], ["get"])
     for b in range(4, 8):
         rank.fill_block(0, b, b"\xee" * BLOCK)
@@ -124,8 +124,11 @@ def test_failed_gets_name_exactly_their_blocks_and_nothing_else_is_touched(daemo
 def test_a_value_of_the_wrong_size_is_a_failure_not_bytes(tmp_path, store, daemon, rank):
     rank.save(H[:1], [[0], [0]], 16)
     hit = rank.lookup(H[:1], 17)
+    # Another daemon on the same store (one daemon refuses a second shape under a live namespace itself).
+    (tmp_path / "elsewhere").mkdir()
+    elsewhere = InProcessDaemon(tmp_path / "elsewhere", store).start()
     other = RawRank(
-        daemon.target, open_request([group("full_attention", 16), group("mamba", 16)]), block_bytes=BLOCK // 2
+        elsewhere.target, open_request([group("full_attention", 16), group("mamba", 16)]), block_bytes=BLOCK // 2
     )
     try:
         other.register()
@@ -134,6 +137,7 @@ def test_a_value_of_the_wrong_size_is_a_failure_not_bytes(tmp_path, store, daemo
         assert out.loaded == 0
     finally:
         other.close()
+        elsewhere.stop()
 
 
 def test_concurrent_save_race_reported_as_written(store, rank):

@@ -50,17 +50,17 @@ def test_example_b_seed_000_mamba_never_shares_a_namespace():
     layout = Layout("Kimi-Linear", groups, Parallel(tp_size=2), num_kv_heads=1)
     geos = [Geometry.of(rank_layout(layout, r)) for r in range(2)]
     assert [geo.groups[1].prefix for geo in geos] == [
-        "Kimi-Linear@tp_rank:0@pcp0@dcp0@pp_rank:0@group:1",
-        "Kimi-Linear@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1",
+        f"kvs1@@{layout.model_key}@s0.c0.d0.p0.g1",
+        f"kvs1@@{layout.model_key}@s1.c0.d0.p0.g1",
     ]
     for geo in geos:  # both ranks write every mamba chunk
         plan = save_plan(geo, HASHES, [list(range(8)), list(range(8))], 64)
         assert [c.span_index for c in plan.chunks if c.group == 1] == [0, 1, 2, 3]
     probe = lookup_plan(geos[0], HASHES[:4], 64)
-    mamba_keys = [k for k in probe.keys if "@group:1@" in k]
-    assert {k.split("@")[1] for k in mamba_keys} == {"tp_rank:0", "tp_rank:1"}
+    mamba_keys = [k for k in probe.keys if ".g1@" in k]
+    assert {k.split("@")[3] for k in mamba_keys} == {"s0.c0.d0.p0.g1", "s1.c0.d0.p0.g1"}
     # One rank's state missing at a boundary rejects that boundary.
-    present = [not ("@tp_rank:1@" in k and "@group:1@" in k and k.endswith(HASHES[3].hex())) for k in probe.keys]
+    present = [not ("@s1.c0.d0.p0.g1@" in k and k.endswith(HASHES[3].hex())) for k in probe.keys]
     stored = probe.stored(present)
     assert stored[1] == [True, True, True, False]
     assert compute_hit(geos[0], 65, stored) == Hit(48, (48, 48))
@@ -86,10 +86,11 @@ def test_example_c_seed_002_tail_keys_are_the_stored_boundaries():
         (0, 1, 14848, 71),
         (1, 8, 13824, 108),
     ]
-    assert chunks[1].key == f"K3@tp_rank:5@pcp0@dcp5@pp_rank:0@group:0@{hashes[14848 // 128 - 1].hex()}"
-    assert chunks[2].key == f"K3@tp_rank:5@pcp0@dcp5@pp_rank:0@group:1@{hashes[13824 // 128 - 1].hex()}"
+    head = f"kvs1@@{layout.model_key}@s5.c0.d5.p0"
+    assert chunks[1].key == f"{head}.g0@{hashes[14848 // 128 - 1].hex()}"
+    assert chunks[2].key == f"{head}.g1@{hashes[13824 // 128 - 1].hex()}"
     # The key the bug derived from the hit length is not what the load reads.
-    derived = f"K3@tp_rank:5@pcp0@dcp5@pp_rank:0@group:0@{hashes[13824 // 128 - 1].hex()}"
+    derived = f"{head}.g0@{hashes[13824 // 128 - 1].hex()}"
     assert derived not in {c.key for c in chunks}
     # Without EAGLE both groups reach 14,848.
     assert compute_hit(geo, 15000, stored) == Hit(14848, (14848, 14848))
@@ -113,3 +114,16 @@ def test_example_d_full_hit_leaves_the_last_token():
     assert compute_hit(geo, 65, [[True] * 4]) == Hit(64, (64,))
     assert compute_hit(geo, 64, [[True] * 4], eagle=True) == Hit(32, (32,))
     assert compute_hit(geo, 1, [[]]) == Hit(0, (0,))
+
+
+def test_a_sliding_window_needs_the_last_w_minus_1_tokens_as_vllm_counts_them():
+    # W = 17 on 16-token blocks: the token after a 64-token hit attends to tokens 48..64, so vLLM's sliding-window
+    # manager needs block 3 only (cdiv(W - 1, 16) = 1 block) and gives the load a null block for block 2.
+    geo = Geometry.of(Layout("M", (GroupSpec(Kind.SLIDING_WINDOW, 16, 17),), hash_block_size=16))
+    stored = [[i == 64 // 16 - 1 for i in range(4)]]
+    assert compute_hit(geo, 70, stored) == Hit(64, (64,))
+    loads = load_plan(geo, HASHES[:4], [list(range(10, 20))], 64, (64,))
+    assert [c.span_index for c in loads] == [3]
+    # One token wider, and block 2 is needed again.
+    wide = Geometry.of(Layout("M", (GroupSpec(Kind.SLIDING_WINDOW, 16, 18),), hash_block_size=16))
+    assert compute_hit(wide, 70, stored).tokens == 0

@@ -70,6 +70,10 @@ def test_bad_groups(text, reason):
         ({"pcp_size": 2, "pcp_rank": 2}, "pcp_rank must be in"),
         ({"dcp_size": 0}, "dcp_size must be >= 1"),
         ({"tp_size": 4, "dcp_size": 3}, "dcp_size 3 must divide tp_size 4"),
+        ({"tp_size": 2, "pcp_size": 2, "dcp_size": 2 * 2 + 2}, r"dcp_size must be 1, pcp_size or tp_size \* pcp"),
+        ({"tp_size": 4, "pcp_size": 2, "dcp_size": 4}, r"\(\[1, 2, 8\]\), got 4"),
+        ({"tp_size": 4, "tp_rank": 3, "dcp_size": 2, "dcp_rank": 0}, "vLLM's parallel state gives 1"),
+        ({"tp_size": 2, "pcp_size": 2, "pcp_rank": 1, "dcp_size": 2, "dcp_rank": 0}, "gives 1"),
     ],
 )
 def test_bad_parallel(kwargs, reason):
@@ -137,3 +141,50 @@ def test_absurd_layouts_are_refused_before_any_work():
     odd = (GroupSpec(Kind.FULL_ATTENTION, 65521 * 16), GroupSpec(Kind.FULL_ATTENTION, 65519 * 16))
     with pytest.raises(InvalidLayout, match="least common multiple"):
         Geometry.of(Layout("m", odd, num_kv_heads=1, hash_block_size=16))
+
+
+# (T, C, D, r, c) -> d, by hand from vLLM's initialize_model_parallel: ranks are laid out PP x PCP x TP, and the DCP
+# groups are cut from the (TP, PCP) plane with PCP varying fastest.
+DCP_RANKS = [
+    ((8, 1, 4, 6, 0), 2),  # no PCP: r mod D
+    ((2, 2, 4, 1, 0), 2),  # D = T * C: r * C + c
+    ((2, 2, 4, 1, 1), 3),
+    ((1, 2, 2, 0, 1), 1),  # D = C: the PCP rank
+    ((4, 2, 2, 3, 0), 0),
+    ((4, 2, 8, 2, 1), 5),
+    ((4, 2, 1, 3, 1), 0),  # no DCP
+]
+
+
+@pytest.mark.parametrize(("sizes", "d"), DCP_RANKS)
+def test_dcp_rank_as_vllm_lays_it_out(sizes, d):
+    t, c, dcp, r, pc = sizes
+    assert Parallel(tp_size=t, tp_rank=r, pcp_size=c, pcp_rank=pc, dcp_size=dcp).dcp_rank == d
+    # The rank the engine reads from its parallel state is accepted when it agrees.
+    assert Parallel(tp_size=t, tp_rank=r, pcp_size=c, pcp_rank=pc, dcp_size=dcp, dcp_rank=d).dcp_rank == d
+
+
+def test_every_dcp_size_vllm_accepts_and_no_other():
+    for t, c in ((t, c) for t in range(1, 9) for c in (1, 2)):
+        accepted = {d for d in range(1, 2 * t * c + 1) if _accepts(t, c, d)}
+        assert accepted == ({d for d in range(1, t + 1) if t % d == 0} if c == 1 else {1, c, t * c}), (t, c)
+
+
+def _accepts(t: int, c: int, d: int) -> bool:
+    try:
+        Parallel(tp_size=t, pcp_size=c, dcp_size=d)
+    except InvalidLayout:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"hit_alignment_tokens": 24}, "hit_alignment_tokens 24 must be a multiple of hash_block_size 16"),
+        ({"hit_alignment_tokens": 32, "fine_grained_hits": True}, "must be hash_block_size 16, got 32"),
+    ],
+)
+def test_bad_hit_alignment(kwargs, reason):
+    with pytest.raises(InvalidLayout, match=reason):
+        Layout("M", MLA, hash_block_size=16, **kwargs)

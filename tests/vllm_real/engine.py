@@ -1,0 +1,105 @@
+"""One vLLM CPU engine (`vllm.LLM`) with the kvsidecar connector, and the passes the tests compare."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from models import TinyModel
+from noisy_connector import NOISE_FLAG
+
+from kvsidecar_client.memory import SHM_DIR
+
+MAX_TOKENS = 16
+
+
+def kv_transfer_config(socket: str, prefix: str, *, connector: str = "NoisyLoadsConnector") -> dict[str, Any]:
+    """The --kv-transfer-config of the README, with the test's switchable-noise connector by default."""
+    module = "noisy_connector" if connector == "NoisyLoadsConnector" else "kvsidecar_client.vllm"
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": socket, "cache_prefix": prefix},
+    }
+
+
+def engine_segments() -> list[Path]:
+    """The shared-memory segments (KV caches) of this process's vLLM engine processes."""
+    pids = {str(p.pid) for p in psutil.Process().children(recursive=True)}
+    # shared_tensor names segments kvsidecar-<pid>-<n>-<random>.
+    return [Path(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith("kvsidecar-") and n.split("-")[1] in pids]
+
+
+def scribble(segments: Sequence[Path]) -> int:
+    """Fill whole KV caches with a finite garbage pattern: what a load does not write stays wrong (bytes filled)."""
+    filled = 0
+    for path in segments:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            with mmap.mmap(fd, size) as view:
+                view[:] = b"\x5a" * size  # 0x5a5a...: about 1.5e16 in fp32 and bf16, never NaN
+        finally:
+            os.close(fd)
+        filled += size
+    return filled
+
+
+@dataclass
+class Engine:
+    """An LLM over one tiny model, one daemon and a cache_prefix of its own."""
+
+    llm: Any
+    model: TinyModel
+    noise_flag: Path
+
+    @classmethod
+    def start(cls, model: TinyModel, path: Path, socket: str, workdir: Path, **overrides: Any) -> Engine:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        flag = workdir / "noise-on"
+        os.environ[NOISE_FLAG] = str(flag)  # inherited by the engine process started below
+        settings: dict[str, Any] = {
+            "model": str(path),
+            "skip_tokenizer_init": True,
+            "enforce_eager": True,
+            "dtype": model.dtype,
+            "max_model_len": 1024,
+            "enable_prefix_caching": True,
+            "seed": 0,
+            "kv_transfer_config": KVTransferConfig(**kv_transfer_config(socket, f"t{uuid.uuid4().hex[:12]}")),
+        }
+        settings.update(model.llm)
+        settings.update(overrides)
+        return cls(LLM(**settings), model, flag)
+
+    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Greedy token ids of every prompt, in order."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def reset_prefix_cache(self) -> None:
+        assert self.llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+
+    def noise(self, on: bool, *, only_recurrent: bool = False) -> None:
+        """Noise over every loaded block (or only recurrent groups' blocks) from the next load on, or none."""
+        if on:
+            self.noise_flag.write_text("recurrent" if only_recurrent else "all")
+        else:
+            self.noise_flag.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
