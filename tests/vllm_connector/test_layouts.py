@@ -101,7 +101,7 @@ def test_every_vllm_layout_round_trips_byte_for_byte(vllm_env, tiny_model, daemo
     try:
         kv = plan(config, specs, layout, NUM_BLOCKS)
     except (ValueError, AssertionError) as refused:
-        pytest.skip(f"vLLM 0.33 itself cannot allocate {name} as {layout.name}: {refused}")
+        pytest.skip(f"vLLM 0.33 itself cannot plan {name} as {layout.name}: {type(refused).__name__}: {refused}")
     if DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.skip("KVSIDECAR_TEST_DEVICE=cuda but torch sees no GPU")
     caches = allocate(kv, layout, DEVICE)

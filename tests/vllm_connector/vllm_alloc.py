@@ -7,29 +7,15 @@ vLLM changed, so the views under test are exactly the ones vLLM hands a connecto
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch.overrides import TorchFunctionMode
 from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvsidecar_client import shared_tensor
-
-
-class SharedZeros(TorchFunctionMode):
-    """Serves CPU `torch.zeros` from named shared memory (kvsidecar_client.shared_tensor)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if func is torch.zeros and (device is None or torch.device(device).type == "cpu"):
-            shape = args[0] if len(args) == 1 else args
-            return shared_tensor(shape, kwargs.get("dtype") or torch.float32)
-        return func(*args, **kwargs)
+from kvsidecar_client.allocation import SharedMemoryAllocation
 
 
 def plan(config: VllmConfig, specs: dict[str, KVCacheSpec], layout: KVCacheLayout, num_blocks: int) -> KVCacheConfig:
@@ -37,12 +23,19 @@ def plan(config: VllmConfig, specs: dict[str, KVCacheSpec], layout: KVCacheLayou
     config.cache_config.kv_cache_layout = layout.name
     config.cache_config.num_gpu_blocks_override = num_blocks
     groups = get_kv_cache_groups(config, specs)
-    return get_kv_cache_config_from_groups(config, groups, available_memory=1 << 40)
+    kv = get_kv_cache_config_from_groups(config, groups, available_memory=1 << 40)
+    # What vLLM's engine core resolves next (v1/engine/core.py): a plan it cannot resolve never reaches a connector.
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, config)
+    kv.hash_block_size = hash_block_size
+    kv.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv, config, scheduler_block_size, hash_block_size
+    )
+    return kv
 
 
 def allocate(kv: KVCacheConfig, layout: KVCacheLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
     """vLLM's own per-layer views; on CPU their backing buffer is a shared-memory segment."""
     if device == "cpu":
-        with SharedZeros():
+        with SharedMemoryAllocation():
             return allocate_kv_cache(kv, torch.device("cpu"), layout)
     return allocate_kv_cache(kv, torch.device(device), layout)
