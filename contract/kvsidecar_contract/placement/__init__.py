@@ -1,4 +1,4 @@
-"""The placement core: pure rules for which rank writes which KV block under which key (PLACEMENT.md).
+"""The placement core: pure rules for which rank writes which KV block under which key (docs/placement.md).
 
 No I/O here: ints, bytes and tuples in, frozen values out.
 """
