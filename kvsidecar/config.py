@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ DEFAULT_SEGMENT_BYTES = 1 * GiB
 DEFAULT_LOCAL_BUFFER_BYTES = 64 * MiB
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 DEFAULT_SESSION_TTL_S = 10.0
+DEFAULT_SSD_BYTES = 8 * GiB  # laptop-sized; see docs/ssd-tier.md for a GPU node
+DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # Mooncake's own default is 1.25 GiB per owner
+DEFAULT_MASTER_CLIENT_TTL_S = 10.0  # mooncake_master --client_ttl
 
 
 class ConfigError(ValueError):
@@ -78,6 +82,10 @@ class Config:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     workers: int = 8
     log_level: str = "info"
+    ssd_dir: str = ""  # empty: no disk tier
+    ssd_size: int = DEFAULT_SSD_BYTES
+    ssd_buffer_size: int = DEFAULT_SSD_BUFFER_BYTES
+    master_client_ttl: float = DEFAULT_MASTER_CLIENT_TTL_S
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
@@ -98,6 +106,17 @@ class Config:
                 parse_address(value)
         if not self.socket:
             raise ConfigError("socket path must not be empty")
+        if self.ssd_dir:
+            if not os.path.isabs(self.ssd_dir):
+                raise ConfigError(f"ssd-dir must be an absolute path (Mooncake requires one), got {self.ssd_dir!r}")
+            if self.ssd_size < 64 * MiB:
+                raise ConfigError(f"ssd-size must be at least 64MiB, got {self.ssd_size}")
+            if self.ssd_buffer_size < 4 * MiB:
+                raise ConfigError(f"ssd-buffer-size must be at least 4MiB, got {self.ssd_buffer_size}")
+            if not self.segment_size:
+                raise ConfigError("ssd-dir needs a segment (segment-size > 0): only a segment's owner offloads")
+        if self.master_client_ttl < 0:
+            raise ConfigError(f"master-client-ttl must be >= 0 seconds, got {self.master_client_ttl}")
         self._check_peer_networks()
         if self.listen:
             # The Unix socket is guarded by file permissions; a TCP port has no such guard, so it never runs open.
@@ -183,6 +202,20 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("max_message_bytes", parse_size, "largest gRPC message accepted or sent (default 64MiB)"),
     ("workers", int, "threads running saves and loads off the event loop (default 8)"),
     ("log_level", str, "debug, info, warning or error (default info)"),
+    (
+        "ssd_dir",
+        str,
+        "absolute directory of a disk tier (Mooncake SSD offload) behind the segment, owned by this daemon alone; "
+        "blocks evicted from DRAM are written there and survive restarts (default: no disk tier)",
+    ),
+    ("ssd_size", parse_size, "most bytes the disk tier may use under --ssd-dir, oldest out first (default 8GiB)"),
+    ("ssd_buffer_size", parse_size, "disk tier staging buffer, e.g. 1.25GiB on a GPU node (default 64MiB)"),
+    (
+        "master_client_ttl",
+        float,
+        "external master's --client_ttl in seconds: with --ssd-dir, a restart waits this long after the previous "
+        "daemon's end so the master lets go of its disk blocks (default 10; 0: do not wait)",
+    ),
 ]
 
 

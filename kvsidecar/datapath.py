@@ -19,16 +19,16 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.session import Session
 from kvsidecar.store import Presence, Store, StoreCode, StoreError
 from kvsidecar.store.codes import NO_BLOCK_REASON
+from kvsidecar.tiers import count_tier_hits
 from kvsidecar.values import Failure, LoadOutcome, LookupOutcome, SaveOutcome
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
     NO_BLOCK,
     Chunk,
     Hit,
-    compute_hit,
+    StagedLookup,
     key_prefix,
     load_plan,
-    lookup_plan,
     save_plan,
 )
 
@@ -70,10 +70,14 @@ class DataPath:
         metrics: Metrics,
         backoff: NoSpaceBackoff | None = None,
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
+        tiers: Callable[[Sequence[str]], list[str]] | None = None,
     ) -> None:
+        """tiers, given, says where each key is before a load (the disk tier's hit metrics); budget_of gives a
+        tenant's write budget."""
         self.store = store
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
+        self.tiers = tiers
         self._budget_of = budget_of
 
     def save(
@@ -165,33 +169,36 @@ class DataPath:
         return SaveOutcome(written, skipped, tuple(failures), plan.others, bytes_written, plan.absent)
 
     def lookup(self, session: Session, hashes: Sequence[bytes], num_tokens: int, eagle: bool) -> LookupOutcome:
-        """Probe every namespace in one batch; a store failure is a miss, never a guess."""
+        """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
         geo = session.geometry
-        plan = lookup_plan(geo, hashes, num_tokens)
+        staged = StagedLookup(geo, hashes, num_tokens, eagle=eagle)
         self.metrics.lookup_tokens.inc(num_tokens)
         if session.tenant:
             self.metrics.tenant_lookup_tokens.labels(session.tenant).inc(num_tokens)
-        if not plan.keys:
-            self.metrics.lookup_requests.labels("miss").inc()
-            return LookupOutcome(Hit(0, (0,) * len(geo.groups)), False, "")
-        try:
-            with self._timed("exists"):
-                presence = self.store.exists(plan.keys)
-        except StoreError as exc:
-            self.metrics.store_errors.labels("exists", exc.code.value).inc()
-            self.metrics.lookup_requests.labels("degraded").inc()
-            return LookupOutcome(Hit(0, (0,) * len(geo.groups)), True, f"store unavailable: {exc.reason}")
-        # C-level passes over 10^5 probes (a 128k-token prompt at T=8 with three groups probes ~140k keys).
-        present = list(map(operator.is_, presence, itertools.repeat(Presence.PRESENT)))
-        hit = compute_hit(geo, num_tokens, plan.stored(present), eagle=eagle)
+        unknown = 0
+        while not staged.done:
+            keys = staged.next_keys()
+            if not keys:
+                staged.record(())
+                continue
+            try:
+                with self._timed("exists"):
+                    presence = self.store.exists(keys)
+            except StoreError as exc:
+                self.metrics.store_errors.labels("exists", exc.code.value).inc()
+                self.metrics.lookup_requests.labels("degraded").inc()
+                return LookupOutcome(Hit(0, (0,) * len(geo.groups)), True, f"store unavailable: {exc.reason}")
+            # C-level passes: a full hit on a 128k-token prompt at T=8 with three groups probes ~140k keys.
+            staged.record(list(map(operator.is_, presence, itertools.repeat(Presence.PRESENT))))
+            unknown += presence.count(Presence.UNKNOWN)
+        hit = staged.answer()
         self.metrics.lookup_hit_tokens.inc(hit.tokens)
         if session.tenant:
             self.metrics.tenant_lookup_hit_tokens.labels(session.tenant).inc(hit.tokens)
         # Unanswered probes count as missing (never as hits); the answer says it may be shorter than the truth.
-        unknown = presence.count(Presence.UNKNOWN)
         if unknown:
             self.metrics.lookup_requests.labels("degraded").inc()
-            return LookupOutcome(hit, True, f"{unknown} of {len(presence)} existence probes failed")
+            return LookupOutcome(hit, True, f"{unknown} of {staged.probes} existence probes failed")
         self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
         return LookupOutcome(hit, False, "")
 
@@ -217,6 +224,7 @@ class DataPath:
             return LoadOutcome(0, 0, tuple(Failure(c.group, c.block_id, NO_BLOCK_REASON) for c in nowhere))
         with _holding(memory):
             buffers = [memory.buffers(c.group, c.block_id) for c in chunks]
+            where = self._where([c.key for c in chunks])
             try:
                 with self._timed("get"):
                     codes = self.store.get_into(
@@ -244,7 +252,20 @@ class DataPath:
         if session.tenant:
             self.metrics.tenant_loaded_blocks.labels(session.tenant).inc(loaded)
             self.metrics.tenant_loaded_bytes.labels(session.tenant).inc(nbytes)
+        if where is not None:
+            ok = [i for i, code in enumerate(codes) if code is StoreCode.OK]
+            count_tier_hits(self.metrics, [where[i] for i in ok], [memory.value_bytes[chunks[i].group] for i in ok])
         return LoadOutcome(loaded, nbytes, tuple(failures))
+
+    def _where(self, keys: list[str]) -> list[str] | None:
+        if self.tiers is None:
+            return None
+        try:
+            with self._timed("tiers"):
+                return self.tiers(keys)
+        except StoreError as exc:
+            self.metrics.store_errors.labels("tiers", exc.code.value).inc()
+            return None
 
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""

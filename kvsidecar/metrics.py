@@ -93,6 +93,34 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        # Tiers (memory and, with --ssd-dir, disk); without a disk tier they stay at zero.
+        self.tier_hits = Counter(
+            "kvsidecar_tier_hits", "Blocks loaded, by the tier that held them (memory, disk).", ["tier"], registry=r
+        )
+        self.tier_hit_bytes = Counter(
+            "kvsidecar_tier_hit_bytes", "Bytes loaded, by the tier that held them.", ["tier"], registry=r
+        )
+        self.tier_blocks = Gauge("kvsidecar_tier_blocks", "Blocks each tier of this node holds.", ["tier"], registry=r)
+        self.tier_bytes = Gauge("kvsidecar_tier_bytes", "Bytes each tier of this node holds.", ["tier"], registry=r)
+        self.tier_capacity_bytes = Gauge(
+            "kvsidecar_tier_capacity_bytes", "Bytes each tier of this node may hold.", ["tier"], registry=r
+        )
+        self.disk_filesystem_free_bytes = Gauge(
+            "kvsidecar_disk_tier_filesystem_free_bytes",
+            "Free bytes of the filesystem holding --ssd-dir.",
+            registry=r,
+        )
+        self.disk_recovered_blocks = Counter(
+            "kvsidecar_disk_tier_recovered_blocks", "Disk-tier blocks found again at start.", registry=r
+        )
+        self.disk_recovered_bytes = Counter(
+            "kvsidecar_disk_tier_recovered_bytes", "Disk-tier bytes found again at start.", registry=r
+        )
+        # Both tiers exported from the start (zero without a disk tier), so dashboards and alerts always find them.
+        for tier in ("memory", "disk"):
+            for family in (self.tier_hits, self.tier_hit_bytes, self.tier_blocks, self.tier_bytes):
+                family.labels(tier)
+            self.tier_capacity_bytes.labels(tier)
         self.listener_info = Gauge(
             "kvsidecar_listener_info",
             "Every listener of the daemon process (1), with its address and who may connect to it.",

@@ -22,6 +22,7 @@ from kvsidecar import __version__, notify, wire
 from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.config import Config, ConfigError, parse_address
 from kvsidecar.datapath import DataPath
+from kvsidecar.disk_tier import DiskTier
 from kvsidecar.fence.daemon import DaemonFence, FenceError, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
@@ -147,6 +148,7 @@ class Daemon:
         self.service: SidecarService | None = None
         self.side: SideChannel | None = None
         self.tenancy: Tenancy | None = None
+        self.disk_tier: DiskTier | None = None
         self.fence: DaemonFence | None = None  # set when the daemon sets up Mooncake itself
         self.failure = ""  # why the daemon stopped itself, if it did
 
@@ -167,9 +169,15 @@ class Daemon:
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
         if self._store is None:
+            if cfg.ssd_dir:
+                self.disk_tier = DiskTier(cfg, self.metrics)
             if not cfg.master:
                 self._start_master()
+            elif self.disk_tier is not None:
+                await self.disk_tier.wait_for_master_to_forget()
             self._store = await loop.run_in_executor(None, self._open_store)
+            if self.disk_tier is not None:
+                await loop.run_in_executor(None, self.disk_tier.report_recovery, self._store, self.master)
         store = self._store
         host, port = parse_address(cfg.metrics_address)
         try:
@@ -183,7 +191,12 @@ class Daemon:
         )
         tenancy = self.tenancy
         self.service = SidecarService(
-            DataPath(store, self.metrics, budget_of=tenancy.budget),
+            DataPath(
+                store,
+                self.metrics,
+                budget_of=tenancy.budget,
+                tiers=self.disk_tier.tiers(store) if self.disk_tier else None,
+            ),
             sessions,
             self.metrics,
             workers=cfg.workers,
@@ -225,6 +238,7 @@ class Daemon:
             binary=self.config.master_binary or None,
             lease_ttl_ms=self.config.master_lease_ttl_ms,
             env=ensure_native_libs(),
+            offload=bool(self.config.ssd_dir),
         )
         self.master.start()
         self.master_address = self.master.address
@@ -251,9 +265,13 @@ class Daemon:
             protocol=cfg.protocol,
             rdma_devices=cfg.rdma_devices,
             replica_num=cfg.replicas,
+            ssd_offload_path=self.disk_tier.environ() if self.disk_tier else "",
         )
         # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
-        policy = policy_for(embedded_master=self.master is not None, peer_networks=cfg.peer_network)
+        # A disk tier reads this node's own disk blocks through Mooncake's offload RPC server over loopback, so with
+        # one the single-node fence lets loopback in (as the multi-node one always does).
+        single_node = self.master is not None and not cfg.ssd_dir
+        policy = policy_for(embedded_master=single_node, peer_networks=cfg.peer_network)
         self.fence = DaemonFence(policy, self.master.metrics_url if self.master is not None else "")
         try:
             return self.fence.open_store(lambda: MooncakeStore.connect(settings), lambda store: store.close())
@@ -276,6 +294,8 @@ class Daemon:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             await loop.run_in_executor(None, self.service.sessions.expire)
+            if self.disk_tier is not None:
+                await loop.run_in_executor(None, self.disk_tier.housekeep)
             if self.fence is not None and not await self._sweep_fence():
                 return
             if self.master is not None and not self.master.alive():
@@ -342,6 +362,8 @@ class Daemon:
             self.fence.release()
         if self.master is not None:
             await loop.run_in_executor(None, self.master.stop)
+        if self.disk_tier is not None:
+            self.disk_tier.release()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

@@ -1,9 +1,11 @@
 """Section 2: lookup latency through the daemon against Mooncake's raw batch existence check of the same keys.
 
 Layout: T=8, H=8, groups [mla, full_attention, mamba], 16-token blocks: 17 namespaces per boundary. Eight rank
-sessions first save every block of the prompt through the daemon (tiny values: a lookup only asks whether keys
-exist), so the daemon's answer is a full hit; then a scheduler session's Lookup and the raw check of the keys the
-daemon probes take turns.
+sessions first save the blocks of a case through the daemon (tiny values: a lookup only asks whether keys exist):
+every block (a full hit) at every length, and at the longest length also the first 10% (a 10% hit) and none (a
+miss). Then three things take turns: a scheduler session's Lookup; the raw checks of the keys the daemon probes,
+stage by stage as the daemon makes them (the contract's StagedLookup fed by raw batch_is_exist, only the calls
+timed); and one raw check of every key, the cost a lookup probing everything can never go under.
 """
 
 from __future__ import annotations
@@ -20,15 +22,24 @@ from kvsidecar_bench.mooncake_direct import DirectClient
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, hashes_for
 from kvsidecar_bench.stats import Samples
-from kvsidecar_contract.placement import Geometry, Layout, Parallel, compute_hit, lookup_plan, parse_groups
+from kvsidecar_contract.placement import (
+    Geometry,
+    Layout,
+    Parallel,
+    StagedLookup,
+    compute_hit,
+    lookup_plan,
+    parse_groups,
+)
 
-__all__ = ["GROUPS", "LookupPoint", "measure_lookups"]
+__all__ = ["CASES", "GROUPS", "LookupPoint", "measure_lookups"]
 
 GROUPS = "mla,full_attention,mamba"
 TP = 8
 KV_HEADS = 8
 MODEL = "bench/lookup"
 _VALUE_BYTES = 64  # per block and group: enough for a key to exist
+CASES = {"full hit": 1.0, "10% hit": 0.1, "miss": 0.0}  # fraction of the prompt's blocks stored
 
 
 @dataclass
@@ -36,16 +47,24 @@ class LookupPoint:
     """Latencies of one prompt length."""
 
     tokens: int
-    keys: int
+    keys: int  # every key of the prompt: what probing everything asks
     hit_tokens: int
+    case: str = "full hit"
+    probed: int = 0  # keys the staged lookup asks
     daemon: Samples = field(default_factory=Samples)
-    raw: Samples = field(default_factory=Samples)
-    placement: Samples = field(default_factory=Samples)  # lookup plan + hit fixed point, in this process
+    raw: Samples = field(default_factory=Samples)  # raw checks of the keys the daemon probes, stage by stage
+    every: Samples = field(default_factory=Samples)  # one raw check of every key
+    placement: Samples = field(default_factory=Samples)  # the staged plan and hit fixed point, in this process
 
     @property
     def overhead(self) -> float:
-        """(daemon p50 - raw p50) / raw p50."""
+        """(daemon p50 - raw p50) / raw p50: the daemon's own cost over the store calls it makes."""
         return self.daemon.median_s / self.raw.median_s - 1
+
+    @property
+    def of_every(self) -> float:
+        """daemon p50 / one raw check of every key."""
+        return self.daemon.median_s / self.every.median_s
 
 
 def _layout(rank: int) -> Layout:
@@ -73,6 +92,8 @@ def _populate(daemon: Daemon, hashes: list[bytes], tokens: int) -> None:
     from kvsidecar_client import shared_tensor
 
     n = len(hashes)
+    if not n:
+        return
     for rank in range(TP):
         tensors = [shared_tensor((n, _VALUE_BYTES), torch.uint8) for _ in GROUPS.split(",")]
         for g, t in enumerate(tensors):
@@ -84,6 +105,19 @@ def _populate(daemon: Daemon, hashes: list[bytes], tokens: int) -> None:
                 raise BenchError(f"populating lookup keys: rank {rank} failed to save {result.failed} values")
 
 
+def _staged(geo: Geometry, hashes: list[bytes], tokens: int, raw: DirectClient) -> tuple[int, float, int]:
+    """The daemon's stages against the raw check: (hit tokens, seconds in the raw calls, keys probed)."""
+    staged = StagedLookup(geo, hashes, tokens)
+    seconds = 0.0
+    while not staged.done:
+        keys = staged.next_keys()
+        t0 = time.perf_counter()
+        found = raw.exist(keys) if keys else []
+        seconds += time.perf_counter() - t0
+        staged.record([f == 1 for f in found])
+    return staged.answer().tokens, seconds, staged.probes
+
+
 def measure_lookups(
     daemon: Daemon,
     master: str,
@@ -93,44 +127,56 @@ def measure_lookups(
     nonce: str,
     logs: Path,
 ) -> list[LookupPoint]:
-    """p50/p99 of the daemon's Lookup and of the raw existence check, interleaved, for each prompt length."""
+    """p50/p99 of the daemon's Lookup and of the raw existence checks, interleaved, per prompt length and case."""
     # No segment: this client only asks the daemon's master, like the daemon does for a lookup.
     raw = DirectClient.with_segment(logs, master, 0)
     geo = Geometry.of(_layout(0))
+    longest = max(token_counts)
+    runs = [(t, case) for t in token_counts for case in CASES if case == "full hit" or t == longest]
     points = []
     try:
-        for tokens in token_counts:
-            hashes = hashes_for(f"{nonce}/lookup/{tokens}", tokens // BLOCK_TOKENS)
-            _populate(daemon, hashes, tokens)
+        for tokens, case in runs:
+            hashes = hashes_for(f"{nonce}/lookup/{tokens}/{case}", tokens // BLOCK_TOKENS)
+            stored = int(len(hashes) * CASES[case])
+            _populate(daemon, hashes[:stored], stored * BLOCK_TOKENS)
             plan = lookup_plan(geo, hashes, tokens)
-            expected = compute_hit(geo, tokens, plan.stored([True] * len(plan.keys))).tokens
-            point = LookupPoint(tokens, len(plan.keys), expected)
+            expected_tokens, _, probed = _staged(geo, hashes, tokens, raw)
+            every = compute_hit(geo, tokens, plan.stored([f == 1 for f in raw.exist(plan.keys)])).tokens
+            if expected_tokens != every:
+                raise BenchError(f"{case} lookup of {tokens} tokens: staged hit {expected_tokens}, probing all {every}")
+            point = LookupPoint(tokens, len(plan.keys), expected_tokens, case, probed)
             with _client(daemon, 0, "scheduler") as scheduler:
                 for i in range(reps + 2):  # the first two of each are warm-ups
                     record = i >= 2
-                    for which in ("daemon", "raw") if i % 2 else ("raw", "daemon"):
+                    order = ("daemon", "raw", "every") if i % 2 else ("every", "raw", "daemon")
+                    for which in order:
                         if which == "daemon":
                             t0 = time.perf_counter()
                             hit = scheduler.lookup(hashes, tokens, timeout=60)
                             seconds = time.perf_counter() - t0
-                            if hit.hit_tokens != expected or hit.degraded:
-                                raise BenchError(f"lookup of {tokens} tokens hit {hit} (expected {expected})")
+                            if hit.hit_tokens != expected_tokens or hit.degraded:
+                                raise BenchError(f"{case} lookup of {tokens} tokens: {hit}, expected {expected_tokens}")
+                        elif which == "raw":
+                            got, seconds, _ = _staged(geo, hashes, tokens, raw)
+                            if got != expected_tokens:
+                                raise BenchError(f"raw staged {case} lookup of {tokens} tokens hit {got}")
                         else:
                             t0 = time.perf_counter()
                             found = raw.exist(plan.keys)
                             seconds = time.perf_counter() - t0
-                            if any(f != 1 for f in found):
-                                raise BenchError(f"raw existence check of {tokens} tokens: not every key exists")
+                            if sum(f == 1 for f in found) < stored:
+                                raise BenchError(f"raw existence check of {tokens} tokens: saved keys are missing")
                         if record:
                             getattr(point, which).add(seconds)
                     if record:
                         t0 = time.perf_counter()
-                        again = lookup_plan(geo, hashes, tokens)
-                        compute_hit(geo, tokens, again.stored([True] * len(again.keys)))
+                        again = StagedLookup(geo, hashes, tokens)
+                        while not again.done:
+                            again.record([True] * len(again.next_keys()))
                         point.placement.add(time.perf_counter() - t0)
             points.append(point)
             raw.remove_model(MODEL)
-            progress.step(f"lookup {tokens} tokens: {point.keys} keys")
+            progress.step(f"lookup {tokens} tokens, {case}: {point.probed} of {point.keys} keys probed")
     finally:
         raw.close()
     return points

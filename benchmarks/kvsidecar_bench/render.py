@@ -54,8 +54,10 @@ def render_markdown(doc: dict[str, Any], *, plot: str | None = None) -> str:
         "## Headline",
         doc["headline"],
         [
+            ("goal", lambda r: r.get("goal", "-")),
             ("metric", lambda r: r["metric"]),
-            ("value", lambda r: _f(r["value"]) + ("%" if r["unit"] == "%" else "x")),
+            ("measured against", lambda r: r.get("peer", "-")),
+            ("value", lambda r: _f(r["value"]) + {"%": "%", "s": " s"}.get(r["unit"], "x")),
             ("target", lambda r: r["target"]),
             ("met", lambda r: met[r["met"]]),
         ],
@@ -98,18 +100,20 @@ def _throughput_md(doc: dict[str, Any], plot: str | None) -> list[str]:
 def _lookup_md(doc: dict[str, Any]) -> list[str]:
     if not doc["lookup"]:
         return []
-    title = "## 2. Lookup latency (ms): T=8, H=8, groups mla + full_attention + mamba, full hit"
+    title = "## 2. Lookup latency (ms): T=8, H=8, groups mla + full_attention + mamba, staged probes"
     return _section(
         title,
         doc["lookup"],
         [
             ("prompt tokens", lambda lp: str(lp["tokens"])),
-            ("keys probed", lambda lp: str(lp["keys"])),
+            ("case", lambda lp: lp.get("case", "full hit")),
+            ("keys probed / all", lambda lp: f"{lp.get('probed', lp['keys'])} / {lp['keys']}"),
             ("daemon p50", lambda lp: _f(lp["daemon"]["p50_ms"])),
             ("daemon p99", lambda lp: _f(lp["daemon"]["p99_ms"])),
-            ("raw exist p50", lambda lp: _f(lp["raw"]["p50_ms"])),
-            ("raw exist p99", lambda lp: _f(lp["raw"]["p99_ms"])),
+            ("raw probed p50", lambda lp: _f(lp["raw"]["p50_ms"])),
+            ("raw every key p50", lambda lp: _f(lp.get("every", {}).get("p50_ms"))),
             ("overhead (p50)", lambda lp: _f(100 * lp["overhead"], 1) + "%" if lp["overhead"] is not None else "-"),
+            ("daemon / every key", lambda lp: _f(lp.get("of_every"), 3)),
             ("placement p50", lambda lp: _f(lp["placement"]["p50_ms"])),
         ],
     )

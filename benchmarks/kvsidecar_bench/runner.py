@@ -36,7 +36,7 @@ def _total_steps(settings: Settings) -> int:
     if "throughput" in settings.sections:
         total += throughput.steps(len(settings.shapes), settings.blocks, settings.rounds, settings.cold_rounds)
     if "lookup" in settings.sections:
-        total += len(settings.lookup_tokens)
+        total += len(settings.lookup_tokens) + len(lookup.CASES) - 1
     if "scaling" in settings.sections:
         total += 1 + len(settings.ranks)
     if "volume" in settings.sections:

@@ -77,9 +77,15 @@ def test_every_path_moved_the_right_bytes(report):
 
 def test_lookup_scaling_and_report_structure(report):
     doc, markdown, out = report
-    (lookup,) = doc["lookup"]
+    cases = {lp["case"]: lp for lp in doc["lookup"]}
+    assert set(cases) == {"full hit", "10% hit", "miss"}
+    lookup = cases["full hit"]
     assert lookup["tokens"] == 256 and lookup["hit_tokens"] == 240 and lookup["keys"] == 16 * 17
     assert len(lookup["daemon"]["seconds"]) == 2 and len(lookup["raw"]["seconds"]) == 2
+    # A full hit probes everything that can matter (the boundary at the last token cannot).
+    assert len(lookup["every"]["seconds"]) == 2 and lookup["keys"] - 17 <= lookup["probed"] <= lookup["keys"]
+    assert cases["miss"]["hit_tokens"] == 0 and cases["miss"]["probed"] < lookup["keys"]
+    assert 0 < cases["10% hit"]["hit_tokens"] < 240
     assert [s["ranks"] for s in doc["scaling"]] == [1, 2]
     assert all(s["daemon_rss_mib"] > 0 for s in doc["scaling"])
     assert doc["command"].startswith("kvsidecar bench --quick") and doc["machine"]["cores"] >= 1

@@ -15,7 +15,7 @@ from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
 
-# The group kinds of the wire contract, by the names PLACEMENT.md uses.
+# The group kinds of the wire contract, by the names docs/placement.md uses.
 KINDS: dict[str, pb.GroupKind] = {kind.value: value for kind, value in PROTO_OF_KIND.items()}
 
 ROLES: dict[str, pb.Role] = {"rank": pb.ROLE_RANK, "scheduler": pb.ROLE_SCHEDULER}

@@ -101,7 +101,7 @@ class Registration(NamedTuple):
 
 
 class GroupPlacement(NamedTuple):
-    """How the daemon places one group for this rank (PLACEMENT.md rules 1, 2, 6, 7)."""
+    """How the daemon places one group for this rank (docs/placement.md rules 1, 2, 6, 7)."""
 
     replication_factor: int
     shard_id: int

@@ -1,7 +1,7 @@
 """The kvsidecar contract: what the daemon and its clients must agree on, in one copy.
 
 The generated wire code (`proto`), the limits and markers (`limits`), the group kinds on the wire (`kinds`), the
-default socket (`paths`) and the placement rules themselves (`placement`, PLACEMENT.md). Depends on nothing but the
+default socket (`paths`) and the placement rules themselves (`placement`, docs/placement.md). Depends on nothing but the
 standard library and protobuf; the gRPC stubs (`proto.sidecar_pb2_grpc`) also need grpcio, which both sides have.
 """
 

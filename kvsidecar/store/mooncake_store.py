@@ -26,6 +26,7 @@ measured on 2 cores over loopback):
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -83,6 +84,8 @@ class MooncakeSettings:
     replica_num: int = 1
     # Fault the whole segment in once, in the background, so puts never pay first-touch page faults.
     prefault_segment: bool = True
+    # A disk tier behind the segment (Mooncake SSD offload); its MOONCAKE_OFFLOAD_* environment is set by the caller.
+    ssd_offload_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.local_hostname:
@@ -120,6 +123,7 @@ class MooncakeStore:
         self._closed = False
         self.prefault: SegmentPrefault | None = None
         self._exists_pool = ThreadPoolExecutor(_EXISTS_PARTS, thread_name_prefix="kvsidecar-exists")
+        self.health_note = ""  # appended to the health detail (the disk tier's recovery at start)
 
     @classmethod
     def connect(cls, settings: MooncakeSettings) -> MooncakeStore:
@@ -138,6 +142,7 @@ class MooncakeStore:
             raise StoreUnavailable(f"cannot load the Mooncake client library: {exc}") from exc
 
         native = MooncakeDistributedStore()
+        offload = {"enable_ssd_offload": True, "ssd_offload_path": settings.ssd_offload_path}
         try:
             rc = native.setup(
                 settings.local_hostname,
@@ -147,6 +152,7 @@ class MooncakeStore:
                 settings.protocol,
                 settings.rdma_devices,
                 settings.master_server_addr,
+                **(offload if settings.ssd_offload_path else {}),
             )
         except (RuntimeError, TypeError) as exc:
             raise StoreUnavailable(f"Mooncake setup raised: {exc}") from exc
@@ -288,8 +294,33 @@ class MooncakeStore:
             raise StoreError(code, reason)
         return int(removed)
 
+    def tiers(self, keys: Sequence[str]) -> list[str]:
+        """Where each key is now: "memory", "disk" or "" (absent); one metadata call, no lease taken."""
+        if not keys:
+            return []
+        found = self._call("batch_get_replica_desc", lambda n: n.batch_get_replica_desc(list(keys)))
+        return [_tier(found.get(key, ())) for key in keys]
+
+    def readable(self, key: str) -> bool:
+        """Whether key's value can be read right now (into a scratch buffer): a check, not a data path."""
+        size = self._call("get_size", lambda n: n.get_size(key))
+        if size <= 0:
+            return False
+        scratch = ctypes.create_string_buffer(size)
+        address = ctypes.addressof(scratch)
+        self.register_buffer(address, size)
+        try:
+            read = self._call("get_into", lambda n: n.get_into(key, address, size))
+        finally:
+            self.unregister_buffer(address)
+        return bool(read == size)
+
     def health(self) -> StoreHealth:
         """Whether the client is open and its master answers; never raises, a closed store is unhealthy."""
+        health = self._health()
+        return health._replace(detail=f"{health.detail}; {self.health_note}") if self.health_note else health
+
+    def _health(self) -> StoreHealth:
         master = self._settings.master_server_addr
         try:
             rc = self._call("health_check", lambda n: n.health_check())
@@ -354,6 +385,13 @@ def _get_outcome(native: Any, key: str, count: int, expected: int) -> StoreCode:
         if size >= 0 and size != expected:
             return StoreCode.SIZE_MISMATCH
     return code
+
+
+def _tier(replicas: Sequence[Any]) -> str:
+    # A key with both replicas is served from memory, the copy Mooncake reads first.
+    if any(r.is_memory_replica() for r in replicas):
+        return "memory"
+    return "disk" if any(r.is_disk_replica() or r.is_local_disk_replica() for r in replicas) else ""
 
 
 def _check_result_length(what: str, results: Sequence[int], keys: Sequence[str]) -> None:

@@ -38,7 +38,7 @@ def save_prompt(model, target, prefix, layout):
 
 
 def key(warm: Engine, group: int, block_hash: bytes) -> str:
-    """The exact key the worker's session saved a block under (PLACEMENT.md rule 3, TP=PP=PCP=DCP=1)."""
+    """The exact key the worker's session saved a block under (docs/placement.md rule 3, TP=PP=PCP=DCP=1)."""
     spec = warm.worker.client.spec
     layout = spec.to_placement()
     assert layout.model_key.startswith("tiny-llama~")

@@ -1,7 +1,7 @@
 """Which blocks a Save or Load will touch, so the connector never hands the daemon a block it must not read.
 
 The daemon owns placement (keys, striping, quorum); the client never computes a key. What the connector must know
-is narrower: which of its block ids a Save reads and a Load writes (PLACEMENT.md, "What gets stored" and rule 8).
+is narrower: which of its block ids a Save reads and a Load writes (docs/placement.md, "What gets stored" and rule 8).
 Those spans come from the contract (`kvsidecar_contract.placement.Spans`), the very functions the daemon's save and
 load plans are built on, so the two cannot drift. What is left here is about vLLM, whose block table is not a plain
 positional array: its null block stands in for blocks a sliding window or an "align"-mode Mamba group has retired,

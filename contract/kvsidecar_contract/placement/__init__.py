@@ -1,4 +1,4 @@
-"""The placement core: pure rules for which rank writes which KV block under which key (PLACEMENT.md).
+"""The placement core: pure rules for which rank writes which KV block under which key (docs/placement.md).
 
 No I/O here: ints, bytes and tuples in, frozen values out.
 """
@@ -25,6 +25,7 @@ from kvsidecar_contract.placement.keys import (
 from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, kind_of, parse_group, parse_groups
 from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
 from kvsidecar_contract.placement.spans import Spans, fine_grained, load_spans, save_spans
+from kvsidecar_contract.placement.staged import StagedLookup
 
 __all__ = [
     "KEY_TAIL_PATTERN",
@@ -44,6 +45,7 @@ __all__ = [
     "PlacementError",
     "SavePlan",
     "Spans",
+    "StagedLookup",
     "block_key",
     "check_hit",
     "compute_hit",

@@ -58,13 +58,7 @@ class Hit(NamedTuple):
 
 def lookup_plan(geo: Geometry, block_hashes: Sequence[bytes], num_tokens: int) -> LookupPlan:
     """The probe keys for a prompt of num_tokens tokens with its chained block hashes."""
-    n = _check_prompt(geo, len(block_hashes), num_tokens)
-    probes = sum(len(geo.probed_boundaries(g, n)) * g.keys_per_boundary for g in geo.groups)
-    if probes > MAX_PROBE_KEYS:
-        raise InvalidRequest(
-            f"this lookup would probe {probes} keys ({n} block hashes across every namespace), more than "
-            f"{MAX_PROBE_KEYS}: look up a shorter prompt"
-        )
+    n = check_probe_count(geo, len(block_hashes), num_tokens)
     suffixes = hash_suffixes(list(block_hashes[:n]))
     keys: list[str] = []
     segments = []
@@ -75,6 +69,18 @@ def lookup_plan(geo: Geometry, block_hashes: Sequence[bytes], num_tokens: int) -
             keys += map(prefix.__add__, sub)
         segments.append(Segment(group.index, probed, group.keys_per_boundary))
     return LookupPlan(keys, tuple(segments), n)
+
+
+def check_probe_count(geo: Geometry, num_hashes: int, num_tokens: int) -> int:
+    """The block hashes a lookup uses, once the prompt and the keys probing all of it are within limits."""
+    n = _check_prompt(geo, num_hashes, num_tokens)
+    probes = sum(len(geo.probed_boundaries(g, n)) * g.keys_per_boundary for g in geo.groups)
+    if probes > MAX_PROBE_KEYS:
+        raise InvalidRequest(
+            f"this lookup would probe {probes} keys ({n} block hashes across every namespace), more than "
+            f"{MAX_PROBE_KEYS}: look up a shorter prompt"
+        )
+    return n
 
 
 def compute_hit(geo: Geometry, num_tokens: int, stored: Sequence[Sequence[bool]], *, eagle: bool = False) -> Hit:

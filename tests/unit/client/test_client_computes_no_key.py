@@ -27,6 +27,7 @@ KEY_NAMES = frozenset(
         "save_plan",
         "load_plan",
         "lookup_plan",
+        "StagedLookup",
     }
 )
 KEY_MODULES = ("kvsidecar_contract.placement.keys", "kvsidecar_contract.placement.geometry")

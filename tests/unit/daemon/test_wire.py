@@ -127,3 +127,11 @@ def test_stats_response_shows_each_session():
     )
     assert (info.parallel.tp_size, info.parallel.tp_rank, info.parallel.pp_rank, info.parallel.dcp_size) == (4, 3, 1, 2)
     assert (info.mapped_bytes, info.age_seconds) == (0, 1.5)
+
+
+def test_hashes_of_the_wrong_length_are_named():
+    assert wire.hashes([b"a" * 32] * 3, 32) == [b"a" * 32] * 3
+    with pytest.raises(BadRequest, match="block hash 2 has 31 bytes, the session declared 32"):
+        wire.hashes([b"a" * 32, b"b" * 32, b"c" * 31], 32)
+    with pytest.raises(BadRequest, match="at most"):
+        wire.hashes([b"a"] * (wire.MAX_HASHES + 1), 1)

@@ -1,4 +1,4 @@
-"""The worked examples A-D of PLACEMENT.md, value for value."""
+"""The worked examples A-D of docs/placement.md, value for value."""
 
 from kvsidecar_contract.placement import (
     Geometry,
