@@ -18,7 +18,7 @@ from nodes import Daemon, listener_filters
 
 from kvsidecar.testing.oracle import Prompt
 from kvsidecar.testing.ranks import RankProcess
-from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
+from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key, key_prefix
 from support import e2e_rank
 from support.e2e_engine import GQA, MAMBA_CONV, MAMBA_SSM, MLA, SimEngine, cold_pass, scheduler, unique_model, warm_pass
 
@@ -84,7 +84,8 @@ def endpoint_ip(replicas: str) -> str:
 
 
 def key_model(layout: Layout) -> str:
-    return layout.model.rsplit("/", 1)[1]
+    """The start of every key of the layout's model under its cache prefix (any value id)."""
+    return key_prefix(layout.model, layout.cache_prefix)
 
 
 def lookup(daemon: Daemon, layout: Layout, prompt: Prompt):  # type: ignore[no-untyped-def]
@@ -137,7 +138,7 @@ def test_hybrid_prompt_saved_on_a_loads_byte_identical_on_b(nodes, ranks, master
     on_b = engine_on(nodes["b"], ranks[2:], layout)
     prompt = Prompt(layout.model, 65, 16)
     cold_pass(on_a, prompt)
-    ours = {k: v for k, v in locations(master).items() if k.startswith(layout.model.rsplit("/", 1)[1])}
+    ours = {k: v for k, v in locations(master).items() if k.startswith(key_model(layout))}
     assert ours, "the save stored nothing?"
     hit = lookup(nodes["b"], layout, prompt)
     assert (hit.hit_tokens, hit.degraded) == (64, False), hit
