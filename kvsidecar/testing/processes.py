@@ -67,7 +67,9 @@ class Daemon:
         workdir: Path,
         *,
         master: str = "",
-        session_ttl: float | None = 3,
+        # Long enough that a raw rank idle between two calls on a busy machine keeps its session; a test about
+        # expiry asks for a short lease itself.
+        session_ttl: float | None = 30,
         segment_size: str = "64MiB",
         local_buffer_size: str | None = "16MiB",
         log_level: str = "debug",

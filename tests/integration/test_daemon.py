@@ -35,8 +35,14 @@ def pattern(tag: str, block: int = BLOCK) -> bytes:
 
 
 @pytest.fixture
-def daemon(mooncake_master, tmp_path):
-    d = Daemon(tmp_path, master=mooncake_master.address).start()
+def daemon(mooncake_master, tmp_path, request):
+    # The testing Daemon's lease is long; a test about expiry asks for a short one (indirect parametrize).
+    ttl = getattr(request, "param", None)
+    d = (
+        Daemon(tmp_path, master=mooncake_master.address, session_ttl=ttl)
+        if ttl
+        else Daemon(tmp_path, master=mooncake_master.address)
+    ).start()
     yield d
     assert d.stop() == 0, d.log()
 
@@ -313,6 +319,7 @@ def test_status_command(daemon, ranks):
     assert gone.returncode == 2
 
 
+@pytest.mark.parametrize("daemon", [3], indirect=True, ids=["session-ttl-3"])
 def test_session_of_a_silent_rank_expires(daemon, ranks):
     rank = ranks(open_request([group("mla", 16)], model="org/Expire"))
 

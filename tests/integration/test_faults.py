@@ -159,7 +159,7 @@ RANK_SCRIPT = textwrap.dedent(
 
 
 def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
-    daemon = Daemon(tmp_path, master=mooncake_master.address).start()  # --session-ttl 3
+    daemon = Daemon(tmp_path, master=mooncake_master.address, session_ttl=3).start()
     survivor = SidecarClient.connect(  # a live rank: its client keeps its lease
         daemon.target, model="org/Survivor", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
         groups=[ClientGroup("mla", block_size=16)],
