@@ -40,12 +40,16 @@ class Daemon(processes.Daemon):
 
     def status(self, *, quiet: bool = False) -> subprocess.CompletedProcess[str]:
         """`kvsidecar status` against this daemon (exit 0: healthy)."""
-        args = [self.python, "-m", "kvsidecar", "status", "--socket", self.socket, "--quiet" if quiet else "--json"]
-        return subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+        # A generous answer deadline: two vLLM CPU ranks can keep both cores busy while the test asks.
+        args = [self.python, "-m", "kvsidecar", "status", "--socket", self.socket, "--timeout", "30"]
+        args.append("--quiet" if quiet else "--json")
+        return subprocess.run(args, capture_output=True, text=True, timeout=90, check=False)
 
     def counters(self) -> dict[str, float]:
         """The daemon's Prometheus counters, as `kvsidecar status --json` prints them."""
-        return dict(json.loads(self.status().stdout)["counters"])
+        out = self.status()
+        assert out.stdout, f"kvsidecar status answered nothing ({out.returncode}): {out.stderr[-2000:]}"
+        return dict(json.loads(out.stdout)["counters"])
 
     def remove_keys(self, keys: list[str]) -> None:
         """Remove values from the store behind the daemon's back (a Mooncake client of its own, in the daemon's
