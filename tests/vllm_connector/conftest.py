@@ -7,12 +7,11 @@ which collects all of tests/, still passes; this file imports nothing from vLLM 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sidecar_daemon import Daemon
+from sidecar_daemon import cache_prefix, daemon  # noqa: F401 (shared fixtures)
 
 # A llama-shaped config with no weights: vLLM reads it for heads, layers and lengths and never loads a tensor.
 TINY_MODEL = {
@@ -50,19 +49,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path.mkdir()
     (path / "config.json").write_text(json.dumps(TINY_MODEL))
     return path
-
-
-@pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One real daemon for the module's tests; tests keep apart through their own cache_prefix."""
-    proc = Daemon(tmp_path_factory.mktemp("kvsidecar")).start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture
-def cache_prefix() -> str:
-    """A cache prefix (tenant namespace) no other test uses."""
-    return f"t{uuid.uuid4().hex[:12]}"

@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,19 @@ class Daemon(processes.Daemon):
                 [self.python, "-c", script, master, *keys], env=env.child_env(native=False), check=True, timeout=60,
                 capture_output=True,
             )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One real daemon (embedded real mooncake_master) for the run; tests keep apart by their own cache_prefix."""
+    proc = Daemon(tmp_path_factory.mktemp("kvsidecar")).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def cache_prefix() -> str:
+    """A cache prefix (tenant namespace) no other test uses."""
+    return f"t{uuid.uuid4().hex[:12]}"

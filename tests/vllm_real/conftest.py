@@ -10,8 +10,6 @@ import importlib.util
 import os
 import sys
 import tempfile
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "vllm_connector")]
 
-from sidecar_daemon import Daemon  # noqa: E402
+from sidecar_daemon import cache_prefix, daemon  # noqa: E402,F401 (shared fixtures)
 
 # vLLM's engine processes inherit these; they are read at import and at engine start, so set them first (and only
 # where vLLM is: the main suite must not have its environment changed by collecting this directory).
@@ -48,19 +46,3 @@ if _VLLM:
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
-
-
-@pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One real daemon (embedded real mooncake_master) for the whole run; models keep apart by cache_prefix."""
-    proc = Daemon(tmp_path_factory.mktemp("kvsidecar")).start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture
-def cache_prefix() -> str:
-    """A cache prefix (tenant namespace) no other test uses."""
-    return f"t{uuid.uuid4().hex[:12]}"
