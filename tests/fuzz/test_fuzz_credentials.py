@@ -92,8 +92,10 @@ class Daemon:
             f'[tenants.certs]\ncert_subjects = ["CN=client"]\nprefixes = ["cert-only"]\n'
         )
         port = free_port()
+        # No segment of its own: this daemon shares the fuzz master, and a segment that goes away with it at the end
+        # of the module would take with it whatever the master had placed there for the other fuzz daemon's clients.
         self.proc = DaemonProcess(
-            workdir, master=master,
+            workdir, master=master, segment_size="0",
             extra=("--tenants", str(tenants), "--listen", f"127.0.0.1:{port}", "--tls-cert", str(pki.server_cert),
                    "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)),
         ).start()  # fmt: skip
