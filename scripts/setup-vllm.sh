@@ -16,21 +16,14 @@ TORCH_VERSION=2.13.0
 XGRAMMAR_VERSION=0.2.8
 start=$SECONDS
 
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip -q "$@"; }
-installed() { "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
+# shellcheck source=scripts/vllm-venv.sh
+. scripts/vllm-venv.sh
 
 # 1. The CPU torch wheel first (the CPU build; vLLM's metadata would pull the CUDA one).
 installed torch "$TORCH_VERSION+cpu" || installed torch "$TORCH_VERSION" || pip install "torch==$TORCH_VERSION"
 
 # 2. vLLM itself, without its dependencies.
-if ! installed vllm "$VLLM_VERSION"; then
-  wheels=$(mktemp -d)
-  trap 'rm -rf "$wheels"' EXIT
-  pip download --no-deps --dest "$wheels" "vllm==$VLLM_VERSION"
-  pip install --no-deps "$wheels"/vllm-"$VLLM_VERSION"-*.whl
-  rm -rf "$wheels"
-fi
+install_without_deps vllm "$VLLM_VERSION"
 
 # 3. What vLLM's config, scheduler and connector code import, with versions that fit vLLM 0.33.0.
 constraints="$VENV/vllm-constraints.txt"
