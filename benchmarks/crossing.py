@@ -1,0 +1,211 @@
+"""The cost of crossing into the daemon: small saves and loads, and a null call, per daemon, interleaved.
+
+    python benchmarks/crossing.py [--before /tmp/before] [--blocks 8,16,32,64,128] [--shapes mla,gqa]
+                                  [--rounds 15] [--null 400] [--threads]
+
+Runs one daemon of this tree (and, with --before, one more whose PYTHONPATH is another checkout of the repo, each
+with its own master and segment) next to in-process Mooncake (the bench's own path), all on the same engine memory,
+taking turns request by request. Prints per path and size: median GiB/s, wall ms per request, CPU ms per request of
+the client and of the daemon. The null call is a Save of no blocks through the client (its save pool, gRPC, the
+daemon's whole servicer path) and a raw KeepAlive on the channel: p50/p99 wall and CPU per call. --threads also
+prints the daemon's CPU per thread (/proc/<pid>/task, grouped by thread name) over the save and load rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvsidecar.master import EmbeddedMaster
+from kvsidecar.testing.mooncake_env import MooncakeEnv
+from kvsidecar.testing.processes import Daemon
+from kvsidecar_bench.machine import process_stats
+from kvsidecar_bench.mooncake_direct import InProcessPath
+from kvsidecar_bench.paths import DaemonPath, Timing
+from kvsidecar_bench.shapes import SHAPES, EngineMemory, Request
+from kvsidecar_bench.stats import GIB
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of a process (threads of one name summed)."""
+    out: dict[str, float] = defaultdict(float)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            fields = text.rsplit(")", 1)[1].split()
+            out[name.rstrip("0123456789_-")] += (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+class Point:
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu = 0.0  # everything on the path
+        self.own = 0.0  # this process (the client's share)
+
+    def add(self, timing: Timing, own: float) -> None:
+        self.wall.append(timing.wall_s)
+        self.cpu += timing.cpu_s
+        self.own += own
+
+
+def own_cpu(fn: Callable[[], Timing]) -> tuple[Timing, float]:
+    cpu0 = time.process_time()
+    timing = fn()
+    return timing, time.process_time() - cpu0
+
+
+def null_calls(path: DaemonPath, count: int) -> dict[str, tuple[float, float, float]]:
+    """p50 and p99 ms and CPU ms per call (client + daemon) of a null save and a raw KeepAlive."""
+    from kvsidecar_contract.proto import sidecar_pb2 as pb
+
+    client: Any = path._client
+    keeper = client._keeper
+    out = {}
+
+    def save() -> None:
+        client.save([], [[]], 0).result()
+
+    def keepalive() -> None:
+        keeper.rpc("KeepAlive", pb.KeepAliveRequest(session_id=keeper.session.id), 5.0)
+
+    for name, fn in (("null save", save), ("raw KeepAlive", keepalive)):
+        for _ in range(20):
+            fn()
+        times = []
+        d0, c0 = process_stats(path.daemon.pid).cpu_s, time.process_time()
+        for _ in range(count):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        cpu = process_stats(path.daemon.pid).cpu_s - d0 + time.process_time() - c0
+        times.sort()
+        out[name] = (1e3 * times[len(times) // 2], 1e3 * times[int(len(times) * 0.99)], 1e3 * cpu / count)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="another checkout of the repo: a second daemon runs its code")
+    parser.add_argument("--blocks", default="8,16,32,64,128")
+    parser.add_argument("--shapes", default="mla,gqa")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--null", type=int, default=400, help="null calls per daemon (0: none)")
+    parser.add_argument("--segment-size", default="1GiB")
+    parser.add_argument("--threads", action="store_true", help="the daemon's CPU per thread")
+    args = parser.parse_args()
+    blocks = [int(b) for b in args.blocks.split(",")]
+    shapes = [SHAPES[s] for s in args.shapes.split(",")]
+    import torch
+
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="kvsidecar-crossing-"))
+    mooncake = MooncakeEnv(work)
+    segment = int(args.segment_size.removesuffix("GiB")) << 30
+    trees = {"after": None} | ({"before": args.before} if args.before else {})
+    with contextlib.ExitStack() as stack:
+        daemons: dict[str, DaemonPath] = {}
+        for name, tree in trees.items():
+            master = stack.enter_context(EmbeddedMaster(log_path=work / f"master-{name}.log"))
+            env = {}
+            if tree:
+                env["PYTHONPATH"] = os.pathsep.join(str(Path(tree) / p) for p in ("", "contract", "client"))
+            (work / name).mkdir()
+            daemon = Daemon(
+                work / name, master=master.address, session_ttl=None, segment_size=args.segment_size,
+                local_buffer_size=None, log_level="warning", mooncake=mooncake, env=env,
+            )  # fmt: skip
+            stack.callback(daemon.stop)
+            daemon.start()
+            daemons[name] = DaemonPath(daemon)
+        master_i = stack.enter_context(EmbeddedMaster(log_path=work / "master-in-process.log"))
+        in_process = InProcessPath(work / "mooncake.log", master_i.address, segment)
+        stack.callback(in_process.close)
+        paths: list[Any] = [*daemons.values(), in_process]
+        names = [*daemons, "in-process"]
+        time.sleep(2)  # segments pre-faulted
+        for shape in shapes:
+            top = max(blocks)
+            memory = EngineMemory.shared(shape, 2 * top, seed=2)
+            for p in paths:
+                p.begin(shape, memory)
+            try:
+                points: dict[tuple[str, int, str], Point] = defaultdict(Point)
+                threads: dict[str, dict[str, float]] = {}
+                before_threads = {n: thread_cpu(d.daemon.pid) for n, d in daemons.items()}
+                for n in blocks:
+                    request = Request.of(shape, f"crossing/{shape.name}/{n}/{time.time()}", n, top)
+                    for r in range(args.rounds + 1):
+                        order = list(zip(names, paths, strict=True))
+                        order = order[r % len(order) :] + order[: r % len(order)]
+                        for op in ("save", "load"):
+                            for name, p in order:
+                                call = p.save if op == "save" else p.load
+                                timing, own = own_cpu(lambda call=call: call(request))
+                                if r:
+                                    points[(op, n, name)].add(timing, own)
+                        for _, p in order:
+                            p.clear()
+                for name, d in daemons.items():
+                    now = thread_cpu(d.daemon.pid)
+                    threads[name] = {k: now[k] - before_threads[name].get(k, 0.0) for k in now}
+                print(f"\n## {shape.name}: GiB/s | wall ms | client CPU ms | daemon CPU ms (per request, median wall)")
+                print("| op | blocks | " + " | ".join(names) + " | " + " | ".join(f"{d}/in-proc" for d in daemons))
+                for op in ("save", "load"):
+                    for n in blocks:
+                        nbytes = n * shape.value_bytes
+                        cells, rates = [], {}
+                        for name in names:
+                            pt = points[(op, n, name)]
+                            wall = statistics.median(pt.wall)
+                            rates[name] = nbytes / wall / GIB
+                            k = len(pt.wall)
+                            cells.append(
+                                f"{rates[name]:.2f} / {1e3 * wall:.2f} / {1e3 * pt.own / k:.2f} / "
+                                f"{1e3 * (pt.cpu - pt.own) / k:.2f}"
+                            )
+                        ratios = [f"{rates[d] / rates['in-process']:.2f}" for d in daemons]
+                        print(f"| {op} | {n} | " + " | ".join(cells) + " | " + " | ".join(ratios))
+                if args.threads:
+                    for name, per in threads.items():
+                        busy = sorted(per.items(), key=lambda kv: -kv[1])
+                        print(f"daemon {name} CPU s by thread: " + ", ".join(f"{k} {v:.2f}" for k, v in busy if v))
+            finally:
+                for p in paths:
+                    p.end()
+        if args.null:
+            shape = shapes[0]
+            memory = EngineMemory.shared(shape, 4, seed=3)
+            for d in daemons.values():
+                d.begin(shape, memory)
+            print("\n## null calls: p50 ms / p99 ms / CPU ms per call (client + daemon)")
+            results: dict[str, dict[str, list[tuple[float, float, float]]]] = defaultdict(lambda: defaultdict(list))
+            for _ in range(3):  # interleaved in three parts
+                for name, d in daemons.items():
+                    for call, value in null_calls(d, args.null // 3).items():
+                        results[call][name].append(value)
+            for call, per in results.items():
+                for name, values in per.items():
+                    p50 = statistics.median(v[0] for v in values)
+                    p99 = statistics.median(v[1] for v in values)
+                    cpu = statistics.median(v[2] for v in values)
+                    print(f"| {call} | {name} | {p50:.3f} | {p99:.3f} | {cpu:.3f} |")
+            for d in daemons.values():
+                d.end()
+    mooncake.close()
+
+
+if __name__ == "__main__":
+    main()
