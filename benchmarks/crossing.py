@@ -153,7 +153,7 @@ def main() -> None:
                         for op in ("save", "load"):
                             for name, p in order:
                                 call = p.save if op == "save" else p.load
-                                timing, own = own_cpu(lambda call=call: call(request))
+                                timing, own = own_cpu(lambda call=call, request=request: call(request))
                                 if r:
                                     points[(op, n, name)].add(timing, own)
                         for _, p in order:

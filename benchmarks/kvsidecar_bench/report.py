@@ -201,14 +201,22 @@ def _cpu(shape: dict[str, Any], op: str, blocks: int, path: str) -> float:
 
 
 def _worst(shape: dict[str, Any], op: str, value: Any) -> tuple[str, float]:
-    """The size with the lowest value(blocks) among those measured, described for a metric name."""
-    sizes = sorted({p["blocks"] for p in shape["points"] if p["op"] == op})
+    """The size with the lowest value(blocks) among those measured in goal 1's range, described for a metric name.
+
+    Sizes measured outside GOAL1_BLOCKS stay in the tables but are not judged; with none inside, all are.
+    """
+    measured = sorted({p["blocks"] for p in shape["points"] if p["op"] == op})
+    low, high = GOAL1_BLOCKS
+    sizes = [n for n in measured if low <= n <= high] or measured
     values = [(value(shape, op, n), n) for n in sizes]
     known = [(v, n) for v, n in values if not math.isnan(v)]
     if not known:
         return f"{sizes[-1]} blocks" if sizes else "-", math.nan
     v, n = min(known)
     return (f"{n} blocks" if len(sizes) == 1 else f"worst of {sizes[0]}-{sizes[-1]} blocks: {n}"), v
+
+
+GOAL1_BLOCKS = (8, 128)  # issue 14 goal 1: "at every request size from 8 to 128 blocks"
 
 
 def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:

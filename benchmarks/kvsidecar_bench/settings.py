@@ -24,7 +24,7 @@ class Settings:
     quick: bool = False
     sections: tuple[str, ...] = SECTIONS
     shapes: tuple[str, ...] = ("mla", "gqa", "gqa-tp8")
-    blocks: tuple[int, ...] = (4, 16, 64, 128)
+    blocks: tuple[int, ...] = (4, 8, 16, 32, 64, 128)  # goal 1 judges 8-128; 4 is shown, not judged
     rounds: int = 7
     cold_blocks: int = 32
     cold_rounds: int = 5

@@ -171,6 +171,21 @@ def test_headline_ratios_and_targets():
     assert rows["write volume MLA, T=8: daemon"]["met"] is True
 
 
+def test_goal_1_judges_only_8_to_128_blocks():
+    doc = _doc()
+    shape = doc["throughput"][0]
+    # 4 blocks, outside the goal's range, is far slower: it stays in the table but the headline judges 8-128.
+    shape["points"] += [
+        {**p, "blocks": blocks, "gib_per_s": p["gib_per_s"] * (0.1 if blocks == 4 else 1.0)}
+        for p in shape["points"]
+        for blocks in (4, 128)
+    ]
+    rows = {r["metric"]: r for r in headline(doc)}
+    save = rows["MLA save (worst of 64-128 blocks: 64): daemon / in-process"]
+    assert save["value"] == pytest.approx(1.125) and save["met"] is True
+    assert not [m for m in rows if " 4-" in m or ": 4)" in m]
+
+
 def test_markdown_has_every_section_and_the_command():
     doc = _doc()
     doc["headline"] = headline(doc)
