@@ -27,7 +27,6 @@ from typing import Any
 from kvsidecar.master import EmbeddedMaster
 from kvsidecar.testing.mooncake_env import MooncakeEnv
 from kvsidecar.testing.processes import Daemon
-from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.mooncake_direct import InProcessPath
 from kvsidecar_bench.paths import DaemonPath, Timing
 from kvsidecar_bench.shapes import SHAPES, EngineMemory, Request
@@ -49,22 +48,34 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def run_time(pid: int) -> float:
+    """CPU seconds of a process's live threads, at nanosecond resolution (/proc/<pid>/task/*/schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
 class Point:
     def __init__(self) -> None:
         self.wall: list[float] = []
-        self.cpu = 0.0  # everything on the path
         self.own = 0.0  # this process (the client's share)
+        self.daemon = 0.0
 
-    def add(self, timing: Timing, own: float) -> None:
+    def add(self, timing: Timing, own: float, daemon: float) -> None:
         self.wall.append(timing.wall_s)
-        self.cpu += timing.cpu_s
         self.own += own
+        self.daemon += daemon
 
 
-def own_cpu(fn: Callable[[], Timing]) -> tuple[Timing, float]:
+def cpu_of(fn: Callable[[], Timing], pid: int | None) -> tuple[Timing, float, float]:
+    """fn's timing, this process's CPU and the daemon's (pid; None: no daemon) while it ran."""
+    d0 = run_time(pid) if pid else 0.0
     cpu0 = time.process_time()
     timing = fn()
-    return timing, time.process_time() - cpu0
+    own = time.process_time() - cpu0
+    return timing, own, (run_time(pid) - d0) if pid else 0.0
 
 
 def null_calls(path: DaemonPath, count: int) -> dict[str, tuple[float, float, float]]:
@@ -85,12 +96,12 @@ def null_calls(path: DaemonPath, count: int) -> dict[str, tuple[float, float, fl
         for _ in range(20):
             fn()
         times = []
-        d0, c0 = process_stats(path.daemon.pid).cpu_s, time.process_time()
+        d0, c0 = run_time(path.daemon.pid), time.process_time()
         for _ in range(count):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        cpu = process_stats(path.daemon.pid).cpu_s - d0 + time.process_time() - c0
+        cpu = run_time(path.daemon.pid) - d0 + time.process_time() - c0
         times.sort()
         out[name] = (1e3 * times[len(times) // 2], 1e3 * times[int(len(times) * 0.99)], 1e3 * cpu / count)
     return out
@@ -112,6 +123,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="kvsidecar-crossing-"))
+    # `python -m kvsidecar` puts its working directory first on sys.path: from a checkout's root every daemon would
+    # import that checkout, whatever PYTHONPATH says.
+    os.chdir(work)
     mooncake = MooncakeEnv(work)
     segment = int(args.segment_size.removesuffix("GiB")) << 30
     trees = {"after": None} | ({"before": args.before} if args.before else {})
@@ -153,31 +167,36 @@ def main() -> None:
                         for op in ("save", "load"):
                             for name, p in order:
                                 call = p.save if op == "save" else p.load
-                                timing, own = own_cpu(lambda call=call, request=request: call(request))
+                                pid = daemons[name].daemon.pid if name in daemons else None
+                                timing, own, daemon_cpu = cpu_of(lambda c=call, q=request: c(q), pid)
                                 if r:
-                                    points[(op, n, name)].add(timing, own)
+                                    points[(op, n, name)].add(timing, own, daemon_cpu)
                         for _, p in order:
                             p.clear()
                 for name, d in daemons.items():
                     now = thread_cpu(d.daemon.pid)
                     threads[name] = {k: now[k] - before_threads[name].get(k, 0.0) for k in now}
                 print(f"\n## {shape.name}: GiB/s | wall ms | client CPU ms | daemon CPU ms (per request, median wall)")
-                print("| op | blocks | " + " | ".join(names) + " | " + " | ".join(f"{d}/in-proc" for d in daemons))
+                head = [*names, *(f"{d}/in-proc" for d in daemons), *(f"CPU/GiB {d}/in-proc" for d in daemons)]
+                print("| op | blocks | " + " | ".join(head) + " |")
+                print("|" + " --- |" * (len(head) + 2))
                 for op in ("save", "load"):
                     for n in blocks:
                         nbytes = n * shape.value_bytes
-                        cells, rates = [], {}
+                        cells, rates, cpu = [], {}, {}
                         for name in names:
                             pt = points[(op, n, name)]
                             wall = statistics.median(pt.wall)
                             rates[name] = nbytes / wall / GIB
                             k = len(pt.wall)
+                            cpu[name] = (pt.own + pt.daemon) / (k * nbytes / GIB)
                             cells.append(
                                 f"{rates[name]:.2f} / {1e3 * wall:.2f} / {1e3 * pt.own / k:.2f} / "
-                                f"{1e3 * (pt.cpu - pt.own) / k:.2f}"
+                                f"{1e3 * pt.daemon / k:.2f}"
                             )
                         ratios = [f"{rates[d] / rates['in-process']:.2f}" for d in daemons]
-                        print(f"| {op} | {n} | " + " | ".join(cells) + " | " + " | ".join(ratios))
+                        ratios += [f"{cpu[d] / cpu['in-process']:.2f}" for d in daemons]
+                        print(f"| {op} | {n} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
                 if args.threads:
                     for name, per in threads.items():
                         busy = sorted(per.items(), key=lambda kv: -kv[1])
