@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LOOKUP_SLOTS = 2  # lookups and session calls running at once (the scheduler's critical path; mostly master calls)
-# Server threads per data slot: a call waiting for its slot holds a thread, so there are many more threads than
-# slots and a lookup always finds one free even behind dozens of queued saves (an idle thread costs only memory).
+# A call waiting for its slot holds a server thread, so there are many more threads than slots: a lookup finds one
+# free even behind every save 8 ranks can have in flight (8 save threads per client). Threads start on demand and an
+# idle one costs only memory.
 THREADS_PER_SLOT = 4
-SPARE_THREADS = 16
+SPARE_THREADS = 64
 
 
 class Slots:
