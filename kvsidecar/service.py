@@ -18,8 +18,8 @@ from kvsidecar import wire
 from kvsidecar.datapath import DataPath
 from kvsidecar.errors import BadRequest, Forbidden, ShuttingDown
 from kvsidecar.metrics import Metrics
-from kvsidecar.session import SessionRegistry
-from kvsidecar.statuses import status_of
+from kvsidecar.session import Session, SessionRegistry
+from kvsidecar.statuses import SESSION_ERRORS, status_of
 from kvsidecar.store import StoreHealth
 from kvsidecar.tenancy import Tenancy
 from kvsidecar_contract.proto import sidecar_pb2 as pb
@@ -129,12 +129,33 @@ class SidecarService(pb_grpc.SidecarServicer):
 
         def run() -> pb.SaveResponse:
             with self.sessions.use(request.session_id) as session:
-                hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-                ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-                out = self.datapath.save(session, hashes, ids, request.num_tokens, request.saved_tokens, deadline)
-            return wire.save_response(out)
+                return self._save(session, request, deadline)
 
         return await self._call(context, "Save", self._data_pool, run, request)
+
+    async def SaveBatch(self, request: pb.SaveBatchRequest, context: Any) -> pb.SaveBatchResponse:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+
+        def run() -> pb.SaveBatchResponse:
+            items = wire.batch_items(request.items, "SaveBatch")
+            self.metrics.batch_items.labels("SaveBatch").inc(len(items))
+            results = []
+            with self.sessions.use(request.session_id) as session:
+                for name, item in items:
+                    try:
+                        results.append(pb.SaveItemResult(name=name, response=self._save(session, item, deadline)))
+                    except Exception as exc:
+                        results.append(pb.SaveItemResult(name=name, error=self._item_error("SaveBatch", exc)))
+            return pb.SaveBatchResponse(results=results)
+
+        return await self._call(context, "SaveBatch", self._data_pool, run, request)
+
+    def _save(self, session: Session, request: pb.SaveRequest, deadline: float | None) -> pb.SaveResponse:
+        hashes = wire.hashes(request.block_hashes, session.hash_bytes)
+        ids = wire.block_ids(request.block_ids, len(session.layout.groups))
+        out = self.datapath.save(session, hashes, ids, request.num_tokens, request.saved_tokens, deadline)
+        return wire.save_response(out)
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
@@ -148,14 +169,32 @@ class SidecarService(pb_grpc.SidecarServicer):
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
         def run() -> pb.LoadResponse:
             with self.sessions.use(request.session_id) as session:
-                hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-                ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-                out = self.datapath.load(
-                    session, hashes, ids, request.hit_tokens, list(request.tail_boundaries), request.start_tokens
-                )
-            return wire.load_response(out)
+                return self._load(session, request)
 
         return await self._call(context, "Load", self._data_pool, run, request)
+
+    async def LoadBatch(self, request: pb.LoadBatchRequest, context: Any) -> pb.LoadBatchResponse:
+        def run() -> pb.LoadBatchResponse:
+            items = wire.batch_items(request.items, "LoadBatch")
+            self.metrics.batch_items.labels("LoadBatch").inc(len(items))
+            results = []
+            with self.sessions.use(request.session_id) as session:
+                for name, item in items:
+                    try:
+                        results.append(pb.LoadItemResult(name=name, response=self._load(session, item)))
+                    except Exception as exc:
+                        results.append(pb.LoadItemResult(name=name, error=self._item_error("LoadBatch", exc)))
+            return pb.LoadBatchResponse(results=results)
+
+        return await self._call(context, "LoadBatch", self._data_pool, run, request)
+
+    def _load(self, session: Session, request: pb.LoadRequest) -> pb.LoadResponse:
+        hashes = wire.hashes(request.block_hashes, session.hash_bytes)
+        ids = wire.block_ids(request.block_ids, len(session.layout.groups))
+        out = self.datapath.load(
+            session, hashes, ids, request.hit_tokens, list(request.tail_boundaries), request.start_tokens
+        )
+        return wire.load_response(out)
 
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         def run() -> pb.ResetResponse:
@@ -205,9 +244,22 @@ class SidecarService(pb_grpc.SidecarServicer):
 
         return await self._call(context, "Stats", self._lookup_pool, run, request)
 
+    def _item_error(self, method: str, exc: Exception) -> pb.ItemError:
+        """A batch item's own refusal, counted and logged as a lone call's; session errors fail the whole batch."""
+        if isinstance(exc, SESSION_ERRORS):
+            raise exc
+        code, reason = status_of(exc)
+        self.metrics.requests_rejected.labels(method, code.name).inc()
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("%s: an item failed", method, exc_info=exc)
+        else:
+            log.debug("%s: an item refused: %s: %s", method, code.name, reason)
+        return wire.item_error(code, reason)
+
     async def _call(
         self, context: Any, method: str, pool: ThreadPoolExecutor | None, fn: Callable[[], T], request: Any
     ) -> T:
+        self.metrics.requests.labels(method).inc()
         try:
             if isinstance(request, wire.Undecodable):
                 raise BadRequest(str(request))

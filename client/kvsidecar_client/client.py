@@ -19,8 +19,25 @@ import grpc
 
 from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, TcpAuth, make_channel
 from kvsidecar_client._side import SideSocket, side_socket_for
+from kvsidecar_client.batch import (
+    LoadItem,
+    SaveItem,
+    chunks,
+    item_outcomes,
+    load_batch_request,
+    load_requests,
+    save_batch_request,
+    save_requests,
+)
 from kvsidecar_client.deadlines import Deadlines
-from kvsidecar_client.errors import ClientClosed, DaemonUnavailable, InvalidRequest, PreconditionFailed, SessionLost
+from kvsidecar_client.errors import (
+    ClientClosed,
+    DaemonUnavailable,
+    InvalidRequest,
+    PreconditionFailed,
+    SessionLost,
+    SidecarError,
+)
 from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
 from kvsidecar_client.results import Hit, LoadResult, Registration, SaveResult, SessionInfo
@@ -178,16 +195,41 @@ class SidecarClient:
             num_tokens=num_tokens,
             saved_tokens=saved_tokens,
         )
-        future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()  # running from the start: a save is never cancelled
-        with self._pending_lock:
-            self._pending.add(future)
-        future.add_done_callback(self._untrack)
+        future = self._save_future()
         try:
             self._save_pool.submit(self._send_save, request, deadline, future)
         except RuntimeError:  # the pool is shut down: the client closed
             future.set_exception(ClientClosed("the client is closed", method="Save"))
         return SaveJob(future)
+
+    def save_batch(self, items: Sequence[SaveItem], *, timeout: float | None = None) -> dict[str, SaveJob]:
+        """Start one SaveBatch call for many requests' saves (an engine step) and return each one's job by name.
+
+        Each job is what `save` would have returned for its item: an item the client or the daemon refuses fails
+        its own job only, daemon trouble fails every job of the call. Names must be unique.
+        """
+        method = "SaveBatch"
+        self._keeper.check_open(method)
+        self._require_memory(method)
+        _unique([item.name for item in items], method)
+        deadline = time.monotonic() + (self._deadlines.save if timeout is None else timeout)
+        requests = save_requests(items, lambda ids: self._block_ids(ids, method))
+        jobs: dict[str, SaveJob] = {}
+        sendable: list[tuple[str, pb.SaveRequest, concurrent.futures.Future[SaveResult]]] = []
+        for name, request in requests.items():
+            future = self._save_future()
+            jobs[name] = SaveJob(future)
+            if isinstance(request, InvalidRequest):
+                future.set_exception(request)
+            else:
+                sendable.append((name, request, future))
+        for batch in chunks(sendable):
+            try:
+                self._save_pool.submit(self._send_save_batch, batch, deadline)
+            except RuntimeError:  # the pool is shut down: the client closed
+                for _, _, future in batch:
+                    future.set_exception(ClientClosed("the client is closed", method=method))
+        return jobs
 
     def lookup(
         self,
@@ -243,6 +285,37 @@ class SidecarClient:
         )
         response = self._keeper.call("Load", request, self._deadlines.load if timeout is None else timeout)
         return LoadResult.from_proto(response)
+
+    def load_batch(
+        self, items: Sequence[LoadItem], *, timeout: float | None = None
+    ) -> dict[str, LoadResult | SidecarError]:
+        """Many requests' loads in one LoadBatch call (an engine step): each item's result or its own error, by name.
+
+        An item answered with an error read nothing the client can vouch for: the engine recomputes every block
+        that item asked for, as after `load_detailed` raised. Names must be unique.
+        """
+        method = "LoadBatch"
+        self._keeper.check_open(method)
+        self._require_memory(method)
+        _unique([item.name for item in items], method)
+        out: dict[str, LoadResult | SidecarError] = {}
+        sendable: list[tuple[str, pb.LoadRequest, None]] = []
+        for name, request in load_requests(items, lambda ids: self._block_ids(ids, method)).items():
+            if isinstance(request, pb.LoadRequest):
+                sendable.append((name, request, None))
+            else:
+                out[name] = request  # refused here, or a miss with nothing to read
+        deadline = time.monotonic() + (self._deadlines.load if timeout is None else timeout)
+        for batch in chunks(sendable):
+            names = [name for name, _, _ in batch]
+            try:
+                response = self._keeper.call(method, load_batch_request(batch), remaining(deadline, method))
+            except SidecarError as error:
+                out.update(dict.fromkeys(names, error))
+                continue
+            for name, outcome in zip(names, item_outcomes(method, names, response.results, LoadResult), strict=True):
+                out[name] = outcome  # type: ignore[assignment]
+        return out
 
     def load(
         self,
@@ -359,6 +432,33 @@ class SidecarClient:
         else:
             future.set_result(SaveResult.from_proto(response))
 
+    def _send_save_batch(
+        self, batch: list[tuple[str, pb.SaveRequest, concurrent.futures.Future[SaveResult]]], deadline: float
+    ) -> None:
+        # Runs on a save thread; a lost session is re-opened and the batch re-sent once (SessionKeeper.call).
+        names = [name for name, _, _ in batch]
+        try:
+            response = self._keeper.call("SaveBatch", save_batch_request(batch), remaining(deadline, "SaveBatch"))
+            outcomes = item_outcomes("SaveBatch", names, response.results, SaveResult)
+        except Exception as error:
+            # A job always completes: the engine waits on it before reusing its blocks.
+            for _, _, future in batch:
+                future.set_exception(error)
+            return
+        for (_, _, future), outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, SidecarError):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)  # type: ignore[arg-type]
+
+    def _save_future(self) -> concurrent.futures.Future[SaveResult]:
+        future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()  # running from the start: a save is never cancelled
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._untrack)
+        return future
+
     def _untrack(self, future: concurrent.futures.Future[SaveResult]) -> None:
         with self._pending_lock:
             self._pending.discard(future)
@@ -389,6 +489,11 @@ def _request(method: str, message: Any, **fields: Any) -> Any:
         return message(**fields)
     except (TypeError, ValueError) as error:
         raise InvalidRequest(f"bad {method} request: {error}", method=method) from None
+
+
+def _unique(names: Sequence[str], method: str) -> None:
+    if len(set(names)) != len(names):
+        raise InvalidRequest(f"item names must be unique within a batch ({len(names)} items)", method=method)
 
 
 def _default_client_name() -> str:
