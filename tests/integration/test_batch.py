@@ -3,13 +3,11 @@ and a bad item fails alone while a session error fails the whole call."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar.testing.processes import Daemon
@@ -53,18 +51,6 @@ def rank(daemon, key_prefix) -> Iterator[tuple[SidecarClient, torch.Tensor]]:
         client.close()
 
 
-def requests_of(daemon: Daemon) -> dict[str, float]:
-    """kvsidecar_requests_total by method, as the daemon's metrics endpoint says."""
-    with urllib.request.urlopen(daemon.metrics_url, timeout=30) as reply:
-        body = reply.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(body):
-        for sample in family.samples:
-            if sample.name == "kvsidecar_requests_total":
-                out[sample.labels["method"]] = sample.value
-    return out
-
-
 def step(n: int, salt: str) -> list[tuple[str, list[bytes], list[int]]]:
     """n requests of 1-4 blocks each, on disjoint blocks: (name, hashes, block ids)."""
     out, next_block = [], 0
@@ -79,7 +65,7 @@ def test_a_step_of_saves_and_loads_is_one_call_each_byte_exact_and_named_per_req
     client, kv = rank
     kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(14)))
     reqs = step(10, "step")  # 25 blocks
-    before = requests_of(daemon)
+    before = daemon.requests_by_method()
     jobs = client.save_batch([SaveItem(name, h, [ids], len(h) * U) for name, h, ids in reqs])
     assert set(jobs) == {name for name, _, _ in reqs}
     for name, h, _ in reqs:
@@ -90,7 +76,7 @@ def test_a_step_of_saves_and_loads_is_one_call_each_byte_exact_and_named_per_req
     # Load every request into other blocks (the upper half of the cache), then compare bytes.
     loads = [LoadItem(name, h, [[b + NUM_BLOCKS // 2 for b in ids]], hits[name]) for name, h, ids in reqs]
     results = client.load_batch(loads)
-    after = requests_of(daemon)
+    after = daemon.requests_by_method()
     assert set(results) == {name for name, _, _ in reqs}
     for name, h, ids in reqs:
         result = results[name]
