@@ -138,10 +138,11 @@ class SidecarService(pb_grpc.SidecarServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
 
         def run() -> pb.SaveBatchResponse:
-            items = wire.batch_items(request.items, "SaveBatch")
-            self.metrics.batch_items.labels("SaveBatch").inc(len(items))
             results = []
             with self.sessions.use(request.session_id) as session:
+                items = wire.batch_items(request.items, "SaveBatch")
+                self.metrics.batch_items.labels("SaveBatch").inc(len(items))
+                session.require_memory()  # a session that may not save or load fails the batch, whatever its items
                 for name, item in items:
                     try:
                         results.append(pb.SaveItemResult(name=name, response=self._save(session, item, deadline)))
@@ -175,10 +176,11 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     async def LoadBatch(self, request: pb.LoadBatchRequest, context: Any) -> pb.LoadBatchResponse:
         def run() -> pb.LoadBatchResponse:
-            items = wire.batch_items(request.items, "LoadBatch")
-            self.metrics.batch_items.labels("LoadBatch").inc(len(items))
             results = []
             with self.sessions.use(request.session_id) as session:
+                items = wire.batch_items(request.items, "LoadBatch")
+                self.metrics.batch_items.labels("LoadBatch").inc(len(items))
+                session.require_memory()  # a session that may not save or load fails the batch, whatever its items
                 for name, item in items:
                     try:
                         results.append(pb.LoadItemResult(name=name, response=self._load(session, item)))

@@ -112,6 +112,17 @@ def test_a_store_failure_is_named_in_its_own_items_result(store, rank):
     assert rank.block(0, 11) == rank.block(0, 3) and rank.block(0, 12) == rank.block(0, 2)
 
 
+def test_an_empty_batch_is_an_empty_answer_and_repeated_names_refuse_the_batch(rank):
+    empty = rank.stub.SaveBatch(pb.SaveBatchRequest(session_id=rank.session), timeout=30)
+    assert list(empty.results) == []
+    item = save_item("a", hashes(9, 1), [0])
+    with pytest.raises(grpc.RpcError) as twice:
+        rank.stub.SaveBatch(pb.SaveBatchRequest(session_id=rank.session, items=[item, item]), timeout=30)
+    assert twice.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "'a' appears more than once" in (twice.value.details() or "")
+    assert rank.lookup(hashes(9, 1), U + 1).hit_tokens == 0  # nothing of a refused batch is written
+
+
 def test_session_errors_fail_the_whole_batch(daemon):
     item = save_item("a", hashes(8, 1), [0])
     no_memory = RawRank(daemon.target, open_request([group("full_attention", U)]), block_bytes=BLOCK)
@@ -127,9 +138,10 @@ def test_session_errors_fail_the_whole_batch(daemon):
         with pytest.raises(grpc.RpcError) as unknown:
             no_memory.stub.LoadBatch(pb.LoadBatchRequest(session_id="gone", items=[]), timeout=30)
         assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
-        # An empty batch of a live session is an empty answer.
-        empty = no_memory.stub.LoadBatch(pb.LoadBatchRequest(session_id=no_memory.session), timeout=30)
-        assert list(empty.results) == []
+        # Even an empty batch: whether a session may save or load does not depend on its items.
+        with pytest.raises(grpc.RpcError) as empty:
+            no_memory.stub.LoadBatch(pb.LoadBatchRequest(session_id=no_memory.session), timeout=30)
+        assert empty.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     finally:
         no_memory.close()
         scheduler.close()
