@@ -18,7 +18,7 @@ from kvsidecar import wire
 from kvsidecar.datapath import DataPath
 from kvsidecar.errors import BadRequest, Forbidden, ShuttingDown
 from kvsidecar.metrics import Metrics
-from kvsidecar.session import Session, SessionRegistry
+from kvsidecar.session import SessionRegistry
 from kvsidecar.statuses import SESSION_ERRORS, status_of
 from kvsidecar.store import StoreHealth
 from kvsidecar.tenancy import Tenancy
@@ -129,7 +129,9 @@ class SidecarService(pb_grpc.SidecarServicer):
 
         def run() -> pb.SaveResponse:
             with self.sessions.use(request.session_id) as session:
-                return self._save(session, request, deadline)
+                args = wire.save_args(request, session.hash_bytes, len(session.layout.groups))
+                out = self.datapath.save(session, *args, deadline)
+            return wire.save_response(out)
 
         return await self._call(context, "Save", self._data_pool, run, request)
 
@@ -138,25 +140,25 @@ class SidecarService(pb_grpc.SidecarServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
 
         def run() -> pb.SaveBatchResponse:
-            results = []
             with self.sessions.use(request.session_id) as session:
                 items = wire.batch_items(request.items, "SaveBatch")
                 self.metrics.batch_items.labels("SaveBatch").inc(len(items))
                 session.require_memory()  # a session that may not save or load fails the batch, whatever its items
-                for name, item in items:
-                    try:
-                        results.append(pb.SaveItemResult(name=name, response=self._save(session, item, deadline)))
-                    except Exception as exc:
-                        results.append(pb.SaveItemResult(name=name, error=self._item_error("SaveBatch", exc)))
+                groups = len(session.layout.groups)
+                args = [_item(wire.save_args, item, session.hash_bytes, groups) for _, item in items]
+                outs = iter(
+                    self.datapath.save_many(session, [a for a in args if not isinstance(a, Exception)], deadline)
+                )
+            results = []
+            for (name, _), arg in zip(items, args, strict=True):
+                out = arg if isinstance(arg, Exception) else next(outs)
+                if isinstance(out, Exception):
+                    results.append(pb.SaveItemResult(name=name, error=self._item_error("SaveBatch", out)))
+                else:
+                    results.append(pb.SaveItemResult(name=name, response=wire.save_response(out)))
             return pb.SaveBatchResponse(results=results)
 
         return await self._call(context, "SaveBatch", self._data_pool, run, request)
-
-    def _save(self, session: Session, request: pb.SaveRequest, deadline: float | None) -> pb.SaveResponse:
-        hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-        ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-        out = self.datapath.save(session, hashes, ids, request.num_tokens, request.saved_tokens, deadline)
-        return wire.save_response(out)
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
@@ -170,33 +172,31 @@ class SidecarService(pb_grpc.SidecarServicer):
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
         def run() -> pb.LoadResponse:
             with self.sessions.use(request.session_id) as session:
-                return self._load(session, request)
+                args = wire.load_args(request, session.hash_bytes, len(session.layout.groups))
+                out = self.datapath.load(session, *args)
+            return wire.load_response(out)
 
         return await self._call(context, "Load", self._data_pool, run, request)
 
     async def LoadBatch(self, request: pb.LoadBatchRequest, context: Any) -> pb.LoadBatchResponse:
         def run() -> pb.LoadBatchResponse:
-            results = []
             with self.sessions.use(request.session_id) as session:
                 items = wire.batch_items(request.items, "LoadBatch")
                 self.metrics.batch_items.labels("LoadBatch").inc(len(items))
                 session.require_memory()  # a session that may not save or load fails the batch, whatever its items
-                for name, item in items:
-                    try:
-                        results.append(pb.LoadItemResult(name=name, response=self._load(session, item)))
-                    except Exception as exc:
-                        results.append(pb.LoadItemResult(name=name, error=self._item_error("LoadBatch", exc)))
+                groups = len(session.layout.groups)
+                args = [_item(wire.load_args, item, session.hash_bytes, groups) for _, item in items]
+                outs = iter(self.datapath.load_many(session, [a for a in args if not isinstance(a, Exception)]))
+            results = []
+            for (name, _), arg in zip(items, args, strict=True):
+                out = arg if isinstance(arg, Exception) else next(outs)
+                if isinstance(out, Exception):
+                    results.append(pb.LoadItemResult(name=name, error=self._item_error("LoadBatch", out)))
+                else:
+                    results.append(pb.LoadItemResult(name=name, response=wire.load_response(out)))
             return pb.LoadBatchResponse(results=results)
 
         return await self._call(context, "LoadBatch", self._data_pool, run, request)
-
-    def _load(self, session: Session, request: pb.LoadRequest) -> pb.LoadResponse:
-        hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-        ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-        out = self.datapath.load(
-            session, hashes, ids, request.hit_tokens, list(request.tail_boundaries), request.start_tokens
-        )
-        return wire.load_response(out)
 
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         def run() -> pb.ResetResponse:
@@ -279,3 +279,11 @@ class SidecarService(pb_grpc.SidecarServicer):
                 log.debug("%s refused: %s: %s", method, code.name, reason)
             await context.abort(code, reason)
             raise AssertionError("unreachable: context.abort raises") from exc
+
+
+def _item(convert: Callable[..., T], *args: Any) -> T | Exception:
+    """A batch item's values, or why it is refused (that item alone)."""
+    try:
+        return convert(*args)
+    except Exception as exc:
+        return exc

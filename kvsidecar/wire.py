@@ -18,11 +18,13 @@ from kvsidecar.store import StoreHealth
 from kvsidecar.values import (
     CudaHandle,
     Failure,
+    LoadArgs,
     LoadOutcome,
     LookupOutcome,
     MemfdHandle,
     RegionRequest,
     Role,
+    SaveArgs,
     SaveOutcome,
     SessionSummary,
     ShmHandle,
@@ -223,6 +225,24 @@ def batch_items(items: Sequence[Any], method: str) -> list[tuple[str, Any]]:
     if total_ids > MAX_BLOCK_IDS:
         raise BadRequest(f"{method}: at most {MAX_BLOCK_IDS} block ids per batch (all items), got {total_ids}")
     return out
+
+
+def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs:
+    """One Save request's (or SaveBatch item's) values."""
+    return SaveArgs(
+        hashes(req.block_hashes, hash_bytes), block_ids(req.block_ids, num_groups), req.num_tokens, req.saved_tokens
+    )
+
+
+def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs:
+    """One Load request's (or LoadBatch item's) values."""
+    return LoadArgs(
+        hashes(req.block_hashes, hash_bytes),
+        block_ids(req.block_ids, num_groups),
+        req.hit_tokens,
+        list(req.tail_boundaries),
+        req.start_tokens,
+    )
 
 
 def item_error(code: grpc.StatusCode, reason: str) -> pb.ItemError:

@@ -168,3 +168,21 @@ def test_item_errors_carry_the_status_code_number():
     error = wire.item_error(grpc.StatusCode.INVALID_ARGUMENT, "why")
     assert (error.code, error.reason) == (3, "why")
     assert wire.item_error(grpc.StatusCode.INTERNAL, "").code == 13
+
+
+def test_one_key_in_two_items_is_put_once_and_read_into_both_blocks(store, rank):
+    # Two requests of one step computed the same prefix: both save it, one value is written, both are told so.
+    shared = hashes(10, 2)
+    puts: list[str] = []
+    store.set_fault(lambda op, key: puts.append(key) if op == "put" else None)
+    items = [save_item("first", shared, [0, 1]), save_item("second", shared, [0, 1])]
+    answer = rank.stub.SaveBatch(pb.SaveBatchRequest(session_id=rank.session, items=items), timeout=30)
+    store.set_fault(None)
+    assert [(r.response.written, r.response.failed) for r in answer.results] == [(2, 0), (2, 0)]
+    assert len(puts) == len(set(puts)) == 2
+    hit = rank.lookup(shared, 2 * U + 1)
+    loads = [load_item("here", shared, [6, 7], hit), load_item("there", shared, [8, 9], hit)]
+    answer = rank.stub.LoadBatch(pb.LoadBatchRequest(session_id=rank.session, items=loads), timeout=30)
+    assert [(r.response.loaded, len(r.response.failures)) for r in answer.results] == [(2, 0), (2, 0)]
+    assert rank.block(0, 6) == rank.block(0, 8) == rank.block(0, 0)
+    assert rank.block(0, 7) == rank.block(0, 9) == rank.block(0, 1)
