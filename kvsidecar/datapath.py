@@ -17,6 +17,7 @@ from kvsidecar.backoff import NoSpaceBackoff
 from kvsidecar.budget import TENANT_BUDGET_REASON, WriteBudget
 from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.outcomes import WRITTEN, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.session import Session
 from kvsidecar.store import Presence, Store, StoreCode, StoreError
 from kvsidecar.store.codes import NO_BLOCK_REASON
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Buffers = tuple[list[int], list[int]]  # a value's slices in engine memory: addresses and sizes
-WRITTEN = "written"  # a chunk's result once its value is stored (compared by identity: never a store reason)
 
 
 class DataPath:
@@ -117,9 +117,9 @@ class DataPath:
             for i, plan, _ in staged:
                 end = start + len(plan.chunks)
                 if isinstance(results, StoreCode):  # the existence check failed: nothing was written
-                    out[i] = self._save_failed(session, plan.chunks, results, plan.others)
+                    out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
                 else:
-                    out[i] = self._save_outcome(session, memory, plan, results[start:end])
+                    out[i] = save_outcome(self.metrics, session, memory, plan, results[start:end])
                 start = end
         return _filled(out)
 
@@ -185,43 +185,6 @@ class DataPath:
             results[j] = results[f]
         return results
 
-    def _save_outcome(
-        self, session: Session, memory: SessionMemory, plan: SavePlan, results: Sequence[str | None]
-    ) -> SaveOutcome:
-        """One request's save from its chunks' results, counted for operators."""
-        kinds = _kinds(session)
-        written = bytes_written = 0
-        over_budget: list[Failure] = []
-        failures: list[Failure] = []
-        # Counted per group and added to the metrics once per group: a save moves hundreds of chunks.
-        saved_per_group = [0] * len(kinds)
-        skipped_per_group = [0] * len(kinds)
-        for chunk, result in zip(plan.chunks, results, strict=True):
-            if result is None:
-                skipped_per_group[chunk.group] += 1
-            elif result is WRITTEN:
-                written += 1
-                bytes_written += memory.value_bytes[chunk.group]
-                saved_per_group[chunk.group] += 1
-            else:
-                (over_budget if result == TENANT_BUDGET_REASON else failures).append(
-                    Failure(chunk.group, chunk.block_id, result)
-                )
-                self.metrics.save_failed_blocks.labels(kinds[chunk.group], result).inc()
-        if session.tenant and over_budget:
-            self.metrics.tenant_refused.labels(session.tenant, TENANT_BUDGET_REASON).inc(len(over_budget))
-        for g, kind in enumerate(kinds):
-            if saved_per_group[g]:
-                self.metrics.saved_blocks.labels(kind).inc(saved_per_group[g])
-            if skipped_per_group[g]:
-                self.metrics.save_skipped_blocks.labels(kind).inc(skipped_per_group[g])
-        self.metrics.saved_bytes.inc(bytes_written)
-        if session.tenant:
-            self.metrics.tenant_saved_blocks.labels(session.tenant).inc(written)
-            self.metrics.tenant_saved_bytes.labels(session.tenant).inc(bytes_written)
-        skipped = sum(skipped_per_group)
-        return SaveOutcome(written, skipped, (*over_budget, *failures), plan.others, bytes_written, plan.absent)
-
     def lookup(self, session: Session, hashes: Sequence[bytes], num_tokens: int, eagle: bool) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
         geo = session.geometry
@@ -277,7 +240,7 @@ class DataPath:
         A request whose plan is refused gets its error in its place; nothing is read for it.
         """
         memory = session.require_memory()
-        kinds = _kinds(session)
+        kinds = kinds_of(session)
         out: list[LoadOutcome | Exception | None] = [None] * len(requests)
         planned: list[tuple[int, list[Chunk], list[Chunk]]] = []  # (request, its chunks, its NO_BLOCK chunks)
         for i, r in enumerate(requests):
@@ -304,7 +267,7 @@ class DataPath:
         start = 0
         for i, reads, nowhere, _ in staged:
             end = start + len(reads)
-            out[i] = self._load_outcome(session, memory, reads, nowhere, codes[start:end])
+            out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
             start = end
         if where is not None:
             ok = [j for j, code in enumerate(codes) if code is StoreCode.OK]
@@ -335,36 +298,6 @@ class DataPath:
             for j, code in zip(batch, got, strict=True):
                 codes[j] = code
         return codes
-
-    def _load_outcome(
-        self,
-        session: Session,
-        memory: SessionMemory,
-        chunks: Sequence[Chunk],
-        nowhere: Sequence[Chunk],
-        codes: Sequence[StoreCode],
-    ) -> LoadOutcome:
-        """One request's load from its chunks' codes, counted for operators."""
-        kinds = _kinds(session)
-        loaded = nbytes = 0
-        failures = [Failure(c.group, c.block_id, NO_BLOCK_REASON) for c in nowhere]
-        loaded_per_group = [0] * len(kinds)
-        for chunk, code in zip(chunks, codes, strict=True):
-            if code is StoreCode.OK:
-                loaded += 1
-                nbytes += memory.value_bytes[chunk.group]
-                loaded_per_group[chunk.group] += 1
-            else:
-                failures.append(Failure(chunk.group, chunk.block_id, code.value))
-                self.metrics.load_failed_blocks.labels(kinds[chunk.group], code.value).inc()
-        for g, kind in enumerate(kinds):
-            if loaded_per_group[g]:
-                self.metrics.loaded_blocks.labels(kind).inc(loaded_per_group[g])
-        self.metrics.loaded_bytes.inc(nbytes)
-        if session.tenant:
-            self.metrics.tenant_loaded_blocks.labels(session.tenant).inc(loaded)
-            self.metrics.tenant_loaded_bytes.labels(session.tenant).inc(nbytes)
-        return LoadOutcome(loaded, nbytes, tuple(failures))
 
     def _where(self, keys: list[str]) -> list[str] | None:
         if self.tiers is None:
@@ -397,12 +330,6 @@ class DataPath:
                 log.error("could not remove %d values saved past their deadline: %s", len(written), exc)
         return [StoreCode.DEADLINE_EXCEEDED] * len(codes)
 
-    def _save_failed(self, session: Session, chunks: Sequence[Chunk], code: StoreCode, others: int) -> SaveOutcome:
-        kinds = _kinds(session)
-        for c in chunks:
-            self.metrics.save_failed_blocks.labels(kinds[c.group], code.value).inc()
-        return SaveOutcome(0, 0, tuple(Failure(c.group, c.block_id, code.value) for c in chunks), others, 0)
-
     @contextmanager
     def _timed(self, operation: str) -> Iterator[None]:
         start = time.perf_counter()
@@ -430,7 +357,3 @@ def _holding(memory: SessionMemory) -> Iterator[None]:
         yield
     finally:
         memory.release()
-
-
-def _kinds(session: Session) -> list[str]:
-    return [g.kind.value for g in session.layout.groups]
