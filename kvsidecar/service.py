@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -146,16 +146,8 @@ class SidecarService(pb_grpc.SidecarServicer):
                 session.require_memory()  # a session that may not save or load fails the batch, whatever its items
                 groups = len(session.layout.groups)
                 args = [_item(wire.save_args, item, session.hash_bytes, groups) for _, item in items]
-                outs = iter(
-                    self.datapath.save_many(session, [a for a in args if not isinstance(a, Exception)], deadline)
-                )
-            results = []
-            for (name, _), arg in zip(items, args, strict=True):
-                out = arg if isinstance(arg, Exception) else next(outs)
-                if isinstance(out, Exception):
-                    results.append(pb.SaveItemResult(name=name, error=self._item_error("SaveBatch", out)))
-                else:
-                    results.append(pb.SaveItemResult(name=name, response=wire.save_response(out)))
+                outs = self.datapath.save_many(session, [a for a in args if not isinstance(a, Exception)], deadline)
+            results = self._answers("SaveBatch", items, args, outs, pb.SaveItemResult, wire.save_response)
             return pb.SaveBatchResponse(results=results)
 
         return await self._call(context, "SaveBatch", self._data_pool, run, request)
@@ -186,14 +178,8 @@ class SidecarService(pb_grpc.SidecarServicer):
                 session.require_memory()  # a session that may not save or load fails the batch, whatever its items
                 groups = len(session.layout.groups)
                 args = [_item(wire.load_args, item, session.hash_bytes, groups) for _, item in items]
-                outs = iter(self.datapath.load_many(session, [a for a in args if not isinstance(a, Exception)]))
-            results = []
-            for (name, _), arg in zip(items, args, strict=True):
-                out = arg if isinstance(arg, Exception) else next(outs)
-                if isinstance(out, Exception):
-                    results.append(pb.LoadItemResult(name=name, error=self._item_error("LoadBatch", out)))
-                else:
-                    results.append(pb.LoadItemResult(name=name, response=wire.load_response(out)))
+                outs = self.datapath.load_many(session, [a for a in args if not isinstance(a, Exception)])
+            results = self._answers("LoadBatch", items, args, outs, pb.LoadItemResult, wire.load_response)
             return pb.LoadBatchResponse(results=results)
 
         return await self._call(context, "LoadBatch", self._data_pool, run, request)
@@ -245,6 +231,26 @@ class SidecarService(pb_grpc.SidecarServicer):
             return response
 
         return await self._call(context, "Stats", self._lookup_pool, run, request)
+
+    def _answers(
+        self,
+        method: str,
+        items: Sequence[tuple[str, Any]],
+        args: Sequence[Any],
+        outs: Sequence[Any],
+        result: Callable[..., T],
+        response: Callable[[Any], Any],
+    ) -> list[T]:
+        """Each item's result under its name: its refusal (args) or the data path's answer (outs, in order)."""
+        done = iter(outs)
+        answers = []
+        for (name, _), arg in zip(items, args, strict=True):
+            out = arg if isinstance(arg, Exception) else next(done)
+            if isinstance(out, Exception):
+                answers.append(result(name=name, error=self._item_error(method, out)))
+            else:
+                answers.append(result(name=name, response=response(out)))
+        return answers
 
     def _item_error(self, method: str, exc: Exception) -> pb.ItemError:
         """A batch item's own refusal, counted and logged as a lone call's; session errors fail the whole batch."""

@@ -189,10 +189,13 @@ class WorkerSide:
         items = [SaveItem(s.req_id, s.block_hashes, s.block_ids, s.num_tokens, s.saved_tokens) for s in specs]
         try:
             jobs = self._client.save_batch(items)
-        except SidecarError as error:
-            log.warning("kvsidecar saves of %d requests refused: %s", len(specs), error)
+        except BaseException as error:
+            # Refused before anything was sent: no block is read. A bug still surfaces, with the blocks freed.
             for future in done.values():
                 future.set_result(None)
+            if not isinstance(error, SidecarError):
+                raise
+            log.warning("kvsidecar saves of %d requests refused: %s", len(specs), error)
             return
         for req_id, job in jobs.items():
             job.add_done_callback(functools.partial(_save_finished, req_id, done[req_id]))
