@@ -116,7 +116,7 @@ def _step_md(doc: dict[str, Any]) -> list[str]:
             ("batched p50", lambda sp: _f(sp["batched"]["p50_ms"])),
             ("separate p50", lambda sp: _f(sp["separate"]["p50_ms"])),
             ("batched / separate", lambda sp: _f(sp["batched_over_separate"], 3)),
-            ("CPU batched / separate", lambda sp: _f(sp["cpu_batched_over_separate"], 3)),
+            ("CPU batched / separate", lambda sp: _f(sp.get("cpu_batched_over_separate"), 3)),
             ("bytes verified", lambda sp: "yes" if sp["verified"] else "**no**"),
         ],
     )

@@ -309,7 +309,7 @@ def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "one call per request",
                 math.nan,
                 "< 1.0",
-                None,
+                False,
             )
         )
     lookups = doc["lookup"]

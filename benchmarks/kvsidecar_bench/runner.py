@@ -91,6 +91,9 @@ def _check_capacity(settings: Settings, shapes: list[Any]) -> None:
     room = 0.8 * settings.segment_size
     if throughput.cold_bytes(shapes, settings.cold_blocks, settings.cold_rounds) > room:
         raise BenchError("the cold phase would fill more than 80% of --segment-size: lower --cold-blocks/--cold-rounds")
+    one_step = max(step.step_bytes(SHAPES[name], settings.step_requests) for name in _step_shapes(settings))
+    if "step" in settings.sections and one_step > room:
+        raise BenchError("a step would fill more than 80% of --segment-size: lower --step-requests")
     one_rank = settings.scale_rounds * settings.scale_blocks * scale_rank_shape(0).value_bytes
     if "scaling" in settings.sections and max(settings.ranks) * one_rank > room:
         raise BenchError("a scaling phase would fill more than 80% of --segment-size: lower --scale-rounds/-blocks")

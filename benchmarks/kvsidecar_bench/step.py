@@ -28,7 +28,7 @@ from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, hashes_for
 from kvsidecar_bench.stats import Samples, ratio, rotated
 
-__all__ = ["MODES", "StepPoint", "measure_step", "steps"]
+__all__ = ["MODES", "StepPoint", "measure_step", "step_bytes", "steps"]
 
 MODES = ("batched", "separate")
 _LOAD_THREADS = 2  # the connector's load threads before batching (vllm/worker.py)
@@ -68,7 +68,7 @@ class _Step:
 
     def __init__(self, shape: ModelShape, tag: str, requests: int) -> None:
         self.names = [f"req-{i}" for i in range(requests)]
-        sizes = [1 + i % 4 for i in range(requests)]
+        sizes = [1 + i % 4 for i in range(requests)]  # step_bytes counts the same
         self.blocks = sum(sizes)
         starts = [sum(sizes[:i]) for i in range(requests)]
         self.hashes = [hashes_for(f"{tag}/{i}", n) for i, n in enumerate(sizes)]
@@ -76,6 +76,11 @@ class _Step:
         self.load_ids = [[b + self.blocks for b in ids] for ids in self.save_ids]
         self.tokens = [n * BLOCK_TOKENS for n in sizes]
         self.nbytes = self.blocks * shape.value_bytes
+
+
+def step_bytes(shape: ModelShape, requests: int) -> int:
+    """Bytes one step of `requests` stores at once (they must fit the segment)."""
+    return sum(1 + i % 4 for i in range(requests)) * shape.value_bytes
 
 
 def steps(shapes: int, rounds: int) -> int:
