@@ -10,8 +10,9 @@ Mooncake 0.3.13's SSD offload, as measured here (64 MiB segment, 1 MiB values, l
   a full segment fail with -200 until that round has written the evicted objects out; nothing spills synchronously.
 - After a restart the owner scans its directory at setup and re-registers every object with the master (the bucket
   backend; the offset-allocator backend truncates its file). With an external master, an owner restarted within the
-  master's --client_ttl recovers nothing, then or later (upstream #3052): the master still maps the keys to the dead
-  owner. Waiting a whole TTL once the old owner's process is gone avoids it.
+  master's --client_ttl recovers nothing, then or later (upstream #3052): the master keeps a key's disk replica of
+  the dead owner and drops the new one (AddReplica), then removes the dead owner's replicas, keys and all, when it
+  expires that client (ClientMonitorFunc). Waiting a whole TTL once the old owner's client has stopped avoids it.
 - Two owners sharing one directory corrupt its buckets: the directory is locked (flock) by its daemon.
 """
 

@@ -12,7 +12,9 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Iterable
 
+from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, compute_hit, lookup_plan
 from support.rawrank import RawRank, group, open_request
 
 BLOCK = 256 << 10
@@ -28,6 +30,28 @@ def prompt_hashes(p: int) -> list[bytes]:
         prev = hashlib.sha256(prev + f"prompt{p}:{i}".encode()).digest()
         out.append(prev)
     return out
+
+
+def layout(tp: int) -> Layout:
+    """The placement layout of the session main() opens, for computing its keys outside the daemon."""
+    groups = (GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16))
+    return Layout(MODEL, groups, Parallel(tp_size=tp), num_kv_heads=tp, hash_block_size=16)
+
+
+def servable_prompts(stored: Iterable[str], tp: int, prompts: int) -> int:
+    """How many of the first `prompts` prompts a lookup finds whole when only the keys `stored` exist.
+
+    Uses the daemon's own lookup rules: a boundary counts only when every TP rank's namespace holds it (rule 7),
+    so a prompt comes back only when all ranks' blocks it needs are stored.
+    """
+    have = set(stored)
+    geo = Geometry.of(layout(tp))
+    whole = 0
+    for p in range(prompts):
+        plan = lookup_plan(geo, prompt_hashes(p), TOKENS + 1)
+        hit = compute_hit(geo, TOKENS + 1, plan.stored([k in have for k in plan.keys]))
+        whole += hit.tokens == TOKENS
+    return whole
 
 
 def pattern(tag: str) -> bytes:
