@@ -48,7 +48,7 @@ def test_every_public_name_is_exported_and_defined_in_the_package():
     # Submodules appear once imported (vllm among them: its pure plan module is tested without vLLM).
     modules = {
         "allocation", "batch", "client", "deadlines", "errors", "jobs", "layout", "memory", "proto", "results",
-        "session", "vllm",
+        "saves", "session", "vllm",
     }  # fmt: skip
     assert public - modules == set(PUBLIC)
     assert all(isinstance(getattr(kvsidecar_client, name), types.ModuleType) for name in public & modules)
