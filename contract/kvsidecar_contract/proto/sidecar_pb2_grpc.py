@@ -150,10 +150,11 @@ class SidecarServicer:
 
     def SaveBatch(self, request, context):
         """Many Saves of one session in one call: an engine step's saves (one item per request), answered item by item.
-        Each item is checked and run as its own Save would be, so a bad item gets its own code and reason in its
-        result and the others go on; an unknown session, a session without memory, or a daemon shutting down fails
-        the whole call with its status as Save would. Items and their hashes and block ids together are limited
-        (MAX_BATCH_ITEMS, and the per-request limits over the whole batch); past them the call is INVALID_ARGUMENT.
+        Each item is checked and planned as its own Save would be, so a bad item gets its own code and reason in its
+        result and the others go on; the daemon then writes every item's blocks in one store batch. The whole call
+        fails, with the status a Save would get, for an unknown session (NOT_FOUND), a malformed batch (too many items,
+        hashes or block ids together, repeated names: INVALID_ARGUMENT), a session that may not save (no memory:
+        FAILED_PRECONDITION; a scheduler: PERMISSION_DENIED) and a daemon shutting down (UNAVAILABLE).
         The call's deadline is every item's deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -161,7 +162,8 @@ class SidecarServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadBatch(self, request, context):
-        """Many Loads of one session in one call (an engine step's loads), answered item by item as SaveBatch is.
+        """Many Loads of one session in one call (an engine step's loads), answered item by item and refused as a whole
+        exactly as SaveBatch is; every item's blocks are read in one store batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
