@@ -19,7 +19,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support.fuzzsessions import Guarded, check_memory, close_all
+from support.fuzzsessions import Guarded, check_memory, close_all, loaded_ids
 from support.fuzzstrategies import (
     U32_MAX,
     U64_MAX,
@@ -283,7 +283,7 @@ def test_fuzz_data_requests_against_sessions_in_every_state(fuzz_daemon, arena, 
         allowed = expected(method, target) if req.session_id == arena.sessions[target] else {GONE}
         check_clean(out, allowed, what=f"{target}: {str(req)[:1500]}")
         writer = owners.get(target) if req.session_id == arena.sessions[target] else None
-        check_memory([arena.a, arena.b], writer, out, written_ids(method, req, out))
+        check_memory([arena.a, arena.b], writer, out, loaded_ids(method, req, out))
         if method in ("SaveBatch", "LoadBatch") and out.ok:
             check_items(req, out.response)
         if method == "Lookup" and out.ok and writer is not None and out.response.hit_tokens:
@@ -295,22 +295,6 @@ def test_fuzz_data_requests_against_sessions_in_every_state(fuzz_daemon, arena, 
             assert all(f.reason for f in out.response.failures), out.response
     fuzz_daemon.check()
     good_client.check()
-
-
-def written_ids(method: str, req, out) -> list[pb.BlockIds]:
-    """The block ids a request may have written into: a Load's, or those of a LoadBatch's answered items."""
-    if method == "Load":
-        return list(req.block_ids)
-    if method != "LoadBatch" or not out.ok:
-        return []
-    answered = [
-        i.request for i, r in zip(req.items, out.response.results, strict=True) if r.WhichOneof("outcome") == "response"
-    ]
-    groups = max((len(r.block_ids) for r in answered), default=0)
-    return [
-        pb.BlockIds(ids=[b for r in answered if g < len(r.block_ids) for b in r.block_ids[g].ids])
-        for g in range(groups)
-    ]
 
 
 def check_items(req, response) -> None:
