@@ -8,24 +8,27 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
+from kvsidecar.backoff import NoSpaceBackoff
 from kvsidecar.budget import TENANT_BUDGET_REASON, WriteBudget
 from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.outcomes import WRITTEN, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.session import Session
 from kvsidecar.store import Presence, Store, StoreCode, StoreError
 from kvsidecar.store.codes import NO_BLOCK_REASON
 from kvsidecar.tiers import count_tier_hits
-from kvsidecar.values import Failure, LoadOutcome, LookupOutcome, SaveOutcome
+from kvsidecar.values import Failure, LoadArgs, LoadOutcome, LookupOutcome, SaveArgs, SaveOutcome
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
     NO_BLOCK,
     Chunk,
     Hit,
+    SavePlan,
     StagedLookup,
     key_prefix,
     load_plan,
@@ -36,29 +39,8 @@ __all__ = ["DataPath", "Failure", "LoadOutcome", "LookupOutcome", "NoSpaceBackof
 
 log = logging.getLogger(__name__)
 
-
-class NoSpaceBackoff:
-    """After the store says it is full, saves skip it for a while (doubling, reset by a put that fits)."""
-
-    def __init__(self, first: float = 0.25, longest: float = 4.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._first, self._longest, self._clock = first, longest, clock
-        self._delay = 0.0
-        self._until = 0.0
-        self._lock = threading.Lock()
-
-    def active(self) -> bool:
-        """Whether saves should not try the store now."""
-        with self._lock:
-            return self._clock() < self._until
-
-    def record(self, full: bool) -> None:
-        """Note the outcome of a put batch: full or not."""
-        with self._lock:
-            if full:
-                self._delay = min(self._longest, self._delay * 2 if self._delay else self._first)
-                self._until = self._clock() + self._delay
-            else:
-                self._delay = 0.0
+T = TypeVar("T")
+Buffers = tuple[list[int], list[int]]  # a value's slices in engine memory: addresses and sizes
 
 
 class DataPath:
@@ -94,79 +76,114 @@ class DataPath:
         deadline (time.monotonic()) is the client's: past it the engine may reuse the blocks, so a put that has
         not started is skipped, and values written after it are removed again rather than served as wrong bytes.
         """
+        (out,) = self.save_many(session, [SaveArgs(hashes, block_ids, num_tokens, saved)], deadline)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def save_many(
+        self, session: Session, requests: Sequence[SaveArgs], deadline: float | None = None
+    ) -> list[SaveOutcome | Exception]:
+        """Several requests' saves (an engine step) with one existence check and one batch put for all of them.
+
+        Each request is planned on its own: one whose plan is refused (bad block ids, inconsistent counts) gets
+        its error in its place and the others go on. Results are each request's own, as `save` would answer it.
+        """
         memory = session.require_memory()
-        plan = save_plan(session.geometry, hashes, block_ids, num_tokens, saved)
-        if not plan.chunks:
-            return SaveOutcome(0, 0, (), plan.others, 0, plan.absent)
-        with _holding(memory):
-            buffers = [memory.buffers(c.group, c.block_id) for c in plan.chunks]
-            keys = [c.key for c in plan.chunks]
+        out: list[SaveOutcome | Exception | None] = [None] * len(requests)
+        plans: list[tuple[int, SavePlan]] = []
+        for i, r in enumerate(requests):
             try:
-                with self._timed("exists"):
-                    presence = self.store.exists(keys)
+                plan = save_plan(session.geometry, r.hashes, r.block_ids, r.num_tokens, r.saved)
+            except Exception as exc:
+                out[i] = exc
+                continue
+            if plan.chunks:
+                plans.append((i, plan))
+            else:
+                out[i] = SaveOutcome(0, 0, (), plan.others, 0, plan.absent)
+        if plans:
+            with _holding(memory):
+                staged: list[tuple[int, SavePlan, list[Buffers]]] = []
+                for i, plan in plans:
+                    try:
+                        staged.append((i, plan, [memory.buffers(c.group, c.block_id) for c in plan.chunks]))
+                    except Exception as exc:
+                        out[i] = exc
+                chunks = [c for _, plan, _ in staged for c in plan.chunks]
+                buffers = [b for _, _, bufs in staged for b in bufs]
+                results = self._put_missing(session, memory, chunks, buffers, deadline) if chunks else []
+            start = 0
+            for i, plan, _ in staged:
+                end = start + len(plan.chunks)
+                if isinstance(results, StoreCode):  # the existence check failed: nothing was written
+                    out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
+                else:
+                    out[i] = save_outcome(self.metrics, session, memory, plan, results[start:end])
+                start = end
+        return _filled(out)
+
+    def _put_missing(
+        self,
+        session: Session,
+        memory: SessionMemory,
+        chunks: Sequence[Chunk],
+        buffers: Sequence[Buffers],
+        deadline: float | None,
+    ) -> list[str | None] | StoreCode:
+        """Per chunk: None (already stored), WRITTEN, or the reason its write failed; a StoreCode if none was asked."""
+        keys = [c.key for c in chunks]
+        try:
+            with self._timed("exists"):
+                presence = self.store.exists(keys)
+        except StoreError as exc:
+            self.metrics.store_errors.labels("exists", exc.code.value).inc()
+            return exc.code
+        results: list[str | None] = [None] * len(chunks)
+        # A key twice in one batch (two requests of a step computing the same prefix) is written once, and its
+        # repeat shares the outcome: the bytes behind one key are the same whichever block holds them.
+        first: dict[str, int] = {}
+        todo: list[int] = []
+        repeats: list[tuple[int, int]] = []
+        for j, p in enumerate(presence):
+            if p is not Presence.PRESENT:
+                if keys[j] in first:
+                    repeats.append((j, first[keys[j]]))
+                else:
+                    first[keys[j]] = j
+                    todo.append(j)
+        # A tenant past its write budget writes the values that fit, in prompt order; the rest are skipped,
+        # so its floods cannot evict every other tenant's working set.
+        budget = self._budget_of(session.tenant) if session.tenant else None
+        if budget is not None and todo:
+            fit = budget.admit([memory.value_bytes[chunks[j].group] for j in todo])
+            for j in todo[fit:]:
+                results[j] = TENANT_BUDGET_REASON
+            todo = todo[:fit]
+        if _past(deadline):
+            codes = [StoreCode.DEADLINE_EXCEEDED] * len(todo)
+        elif todo and self.backoff.active():
+            # A full store is evicting in the background; hammering it only slows that down.
+            codes = [StoreCode.NO_SPACE] * len(todo)
+        else:
+            try:
+                with self._timed("put"):
+                    codes = self.store.put_from(
+                        [keys[j] for j in todo], [buffers[j][0] for j in todo], [buffers[j][1] for j in todo]
+                    )
             except StoreError as exc:
-                self.metrics.store_errors.labels("exists", exc.code.value).inc()
-                return self._save_failed(session, plan.chunks, exc.code, plan.others)
-            todo = [i for i, p in enumerate(presence) if p is not Presence.PRESENT]
-            # A tenant past its write budget writes the values that fit, in prompt order; the rest are skipped,
-            # so its floods cannot evict every other tenant's working set.
-            over_budget: list[int] = []
-            budget = self._budget_of(session.tenant) if session.tenant else None
-            if budget is not None and todo:
-                fit = budget.admit([memory.value_bytes[plan.chunks[i].group] for i in todo])
-                todo, over_budget = todo[:fit], todo[fit:]
+                self.metrics.store_errors.labels("put", exc.code.value).inc()
+                codes = [exc.code] * len(todo)
+            if todo:
+                self.backoff.record(StoreCode.NO_SPACE in codes)
             if _past(deadline):
-                codes = [StoreCode.DEADLINE_EXCEEDED] * len(todo)
-            elif todo and self.backoff.active():
-                # A full store is evicting in the background; hammering it only slows that down.
-                codes = [StoreCode.NO_SPACE] * len(todo)
-            else:
-                try:
-                    with self._timed("put"):
-                        codes = self.store.put_from(
-                            [keys[i] for i in todo], [buffers[i][0] for i in todo], [buffers[i][1] for i in todo]
-                        )
-                except StoreError as exc:
-                    self.metrics.store_errors.labels("put", exc.code.value).inc()
-                    codes = [exc.code] * len(todo)
-                if todo:
-                    self.backoff.record(StoreCode.NO_SPACE in codes)
-                if _past(deadline):
-                    codes = self._revoke([keys[i] for i in todo], codes)
-        skipped = len(plan.chunks) - len(todo) - len(over_budget)
-        written = 0
-        bytes_written = 0
-        kinds = _kinds(session)
-        failures = [Failure(plan.chunks[i].group, plan.chunks[i].block_id, TENANT_BUDGET_REASON) for i in over_budget]
-        for f in failures:
-            self.metrics.save_failed_blocks.labels(kinds[f.group], TENANT_BUDGET_REASON).inc()
-        if session.tenant and over_budget:
-            self.metrics.tenant_refused.labels(session.tenant, TENANT_BUDGET_REASON).inc(len(over_budget))
-        # Counted per group and added to the metrics once per group: a save moves hundreds of chunks.
-        saved_per_group = [0] * len(kinds)
-        for i, code in zip(todo, codes, strict=True):
-            chunk = plan.chunks[i]
-            if code in (StoreCode.OK, StoreCode.EXISTS):  # EXISTS: a concurrent save won the race; same bytes
-                written += 1
-                bytes_written += memory.value_bytes[chunk.group]
-                saved_per_group[chunk.group] += 1
-            else:
-                failures.append(Failure(chunk.group, chunk.block_id, code.value))
-                self.metrics.save_failed_blocks.labels(kinds[chunk.group], code.value).inc()
-        skipped_per_group = [0] * len(kinds)
-        for i, p in enumerate(presence):
-            if p is Presence.PRESENT:
-                skipped_per_group[plan.chunks[i].group] += 1
-        for g, kind in enumerate(kinds):
-            if saved_per_group[g]:
-                self.metrics.saved_blocks.labels(kind).inc(saved_per_group[g])
-            if skipped_per_group[g]:
-                self.metrics.save_skipped_blocks.labels(kind).inc(skipped_per_group[g])
-        self.metrics.saved_bytes.inc(bytes_written)
-        if session.tenant:
-            self.metrics.tenant_saved_blocks.labels(session.tenant).inc(written)
-            self.metrics.tenant_saved_bytes.labels(session.tenant).inc(bytes_written)
-        return SaveOutcome(written, skipped, tuple(failures), plan.others, bytes_written, plan.absent)
+                codes = self._revoke([keys[j] for j in todo], codes)
+        for j, code in zip(todo, codes, strict=True):
+            # EXISTS: a concurrent save won the race; same bytes.
+            results[j] = WRITTEN if code in (StoreCode.OK, StoreCode.EXISTS) else code.value
+        for j, f in repeats:
+            results[j] = results[f]
+        return results
 
     def lookup(self, session: Session, hashes: Sequence[bytes], num_tokens: int, eagle: bool) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
@@ -212,50 +229,75 @@ class DataPath:
         start_tokens: int,
     ) -> LoadOutcome:
         """Read the hit's chunks straight into engine memory with one batch get; name every block that failed."""
+        (out,) = self.load_many(session, [LoadArgs(hashes, block_ids, hit_tokens, tails, start_tokens)])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def load_many(self, session: Session, requests: Sequence[LoadArgs]) -> list[LoadOutcome | Exception]:
+        """Several requests' loads (an engine step) with one batch get for all of them, each answered on its own.
+
+        A request whose plan is refused gets its error in its place; nothing is read for it.
+        """
         memory = session.require_memory()
-        planned = load_plan(session.geometry, hashes, block_ids, hit_tokens, tails, start_tokens)
-        kinds = _kinds(session)
-        # A span without a block cannot receive its value: the engine recomputes it.
-        nowhere = [c for c in planned if c.block_id == NO_BLOCK]
-        for c in nowhere:
-            self.metrics.load_failed_blocks.labels(kinds[c.group], NO_BLOCK_REASON).inc()
-        chunks = [c for c in planned if c.block_id != NO_BLOCK]
-        if not chunks:
-            return LoadOutcome(0, 0, tuple(Failure(c.group, c.block_id, NO_BLOCK_REASON) for c in nowhere))
+        kinds = kinds_of(session)
+        out: list[LoadOutcome | Exception | None] = [None] * len(requests)
+        planned: list[tuple[int, list[Chunk], list[Chunk]]] = []  # (request, its chunks, its NO_BLOCK chunks)
+        for i, r in enumerate(requests):
+            try:
+                plan = load_plan(session.geometry, r.hashes, r.block_ids, r.hit_tokens, r.tails, r.start_tokens)
+            except Exception as exc:
+                out[i] = exc
+                continue
+            # A span without a block cannot receive its value: the engine recomputes it.
+            nowhere = [c for c in plan if c.block_id == NO_BLOCK]
+            for c in nowhere:
+                self.metrics.load_failed_blocks.labels(kinds[c.group], NO_BLOCK_REASON).inc()
+            planned.append((i, [c for c in plan if c.block_id != NO_BLOCK], nowhere))
         with _holding(memory):
-            buffers = [memory.buffers(c.group, c.block_id) for c in chunks]
-            where = self._where([c.key for c in chunks])
+            staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
+            for i, reads, nowhere in planned:
+                try:
+                    staged.append((i, reads, nowhere, [memory.buffers(c.group, c.block_id) for c in reads]))
+                except Exception as exc:
+                    out[i] = exc
+            every = [c for _, reads, _, _ in staged for c in reads]
+            codes = self._get(every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
+            where = self._where([c.key for c in every]) if every else None
+        start = 0
+        for i, reads, nowhere, _ in staged:
+            end = start + len(reads)
+            out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
+            start = end
+        if where is not None:
+            ok = [j for j, code in enumerate(codes) if code is StoreCode.OK]
+            count_tier_hits(self.metrics, [where[j] for j in ok], [memory.value_bytes[every[j].group] for j in ok])
+        return _filled(out)
+
+    def _get(self, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
+        """Each chunk's read into its buffers; a key read into two blocks (two requests of a step sharing a
+        prefix) is read again in a second batch, so that no batch names a key twice."""
+        codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
+        seen: set[str] = set()
+        firsts: list[int] = []
+        repeats: list[int] = []
+        for j, c in enumerate(chunks):
+            (repeats if c.key in seen else firsts).append(j)
+            seen.add(c.key)
+        for batch in (firsts, repeats):
+            if not batch:
+                continue
             try:
                 with self._timed("get"):
-                    codes = self.store.get_into(
-                        [c.key for c in chunks], [b[0] for b in buffers], [b[1] for b in buffers]
+                    got = self.store.get_into(
+                        [chunks[j].key for j in batch], [buffers[j][0] for j in batch], [buffers[j][1] for j in batch]
                     )
             except StoreError as exc:
                 self.metrics.store_errors.labels("get", exc.code.value).inc()
-                codes = [exc.code] * len(chunks)
-        loaded = 0
-        nbytes = 0
-        failures = [Failure(c.group, c.block_id, NO_BLOCK_REASON) for c in nowhere]
-        loaded_per_group = [0] * len(kinds)
-        for chunk, code in zip(chunks, codes, strict=True):
-            if code is StoreCode.OK:
-                loaded += 1
-                nbytes += memory.value_bytes[chunk.group]
-                loaded_per_group[chunk.group] += 1
-            else:
-                failures.append(Failure(chunk.group, chunk.block_id, code.value))
-                self.metrics.load_failed_blocks.labels(kinds[chunk.group], code.value).inc()
-        for g, kind in enumerate(kinds):
-            if loaded_per_group[g]:
-                self.metrics.loaded_blocks.labels(kind).inc(loaded_per_group[g])
-        self.metrics.loaded_bytes.inc(nbytes)
-        if session.tenant:
-            self.metrics.tenant_loaded_blocks.labels(session.tenant).inc(loaded)
-            self.metrics.tenant_loaded_bytes.labels(session.tenant).inc(nbytes)
-        if where is not None:
-            ok = [i for i, code in enumerate(codes) if code is StoreCode.OK]
-            count_tier_hits(self.metrics, [where[i] for i in ok], [memory.value_bytes[chunks[i].group] for i in ok])
-        return LoadOutcome(loaded, nbytes, tuple(failures))
+                got = [exc.code] * len(batch)
+            for j, code in zip(batch, got, strict=True):
+                codes[j] = code
+        return codes
 
     def _where(self, keys: list[str]) -> list[str] | None:
         if self.tiers is None:
@@ -288,12 +330,6 @@ class DataPath:
                 log.error("could not remove %d values saved past their deadline: %s", len(written), exc)
         return [StoreCode.DEADLINE_EXCEEDED] * len(codes)
 
-    def _save_failed(self, session: Session, chunks: Sequence[Chunk], code: StoreCode, others: int) -> SaveOutcome:
-        kinds = _kinds(session)
-        for c in chunks:
-            self.metrics.save_failed_blocks.labels(kinds[c.group], code.value).inc()
-        return SaveOutcome(0, 0, tuple(Failure(c.group, c.block_id, code.value) for c in chunks), others, 0)
-
     @contextmanager
     def _timed(self, operation: str) -> Iterator[None]:
         start = time.perf_counter()
@@ -301,6 +337,13 @@ class DataPath:
             yield
         finally:
             self.metrics.store_operation_seconds.labels(operation).observe(time.perf_counter() - start)
+
+
+def _filled(out: list[T | None]) -> list[T]:
+    """Every request's answer (each is set exactly once above)."""
+    if any(o is None for o in out):
+        raise AssertionError("a request of the batch was left unanswered")
+    return [o for o in out if o is not None]
 
 
 def _past(deadline: float | None) -> bool:
@@ -314,7 +357,3 @@ def _holding(memory: SessionMemory) -> Iterator[None]:
         yield
     finally:
         memory.release()
-
-
-def _kinds(session: Session) -> list[str]:
-    return [g.kind.value for g in session.layout.groups]

@@ -87,6 +87,18 @@ class Metrics:
         self.store_healthy = Gauge(
             "kvsidecar_store_healthy", "1 when the Mooncake store and its master answer, else 0.", registry=r
         )
+        self.requests = Counter(
+            "kvsidecar_requests",
+            "Requests received, by method (a SaveBatch or LoadBatch counts once, its items in batch_items).",
+            ["method"],
+            registry=r,
+        )
+        self.batch_items = Counter(
+            "kvsidecar_batch_items",
+            "Items received in SaveBatch and LoadBatch requests, by method.",
+            ["method"],
+            registry=r,
+        )
         self.requests_rejected = Counter(
             "kvsidecar_requests_rejected",
             "Requests refused with an error status, by method and gRPC code.",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ from kvsidecar.datapath import DataPath
 from kvsidecar.errors import BadRequest, Forbidden, ShuttingDown
 from kvsidecar.metrics import Metrics
 from kvsidecar.session import SessionRegistry
-from kvsidecar.statuses import status_of
+from kvsidecar.statuses import SESSION_ERRORS, status_of
 from kvsidecar.store import StoreHealth
 from kvsidecar.tenancy import Tenancy
 from kvsidecar_contract.proto import sidecar_pb2 as pb
@@ -158,12 +158,28 @@ class SidecarService(pb_grpc.SidecarServicer):
 
         def run() -> pb.SaveResponse:
             with self.sessions.use(request.session_id) as session:
-                hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-                ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-                out = self.datapath.save(session, hashes, ids, request.num_tokens, request.saved_tokens, deadline)
+                args = wire.save_args(request, session.hash_bytes, len(session.layout.groups))
+                out = self.datapath.save(session, *args, deadline)
             return wire.save_response(out)
 
         return self._call(context, "Save", self._data_slots, run, request)
+
+    def SaveBatch(self, request: pb.SaveBatchRequest, context: Any) -> pb.SaveBatchResponse:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+
+        def run() -> pb.SaveBatchResponse:
+            with self.sessions.use(request.session_id) as session:
+                items = wire.batch_items(request.items, "SaveBatch")
+                self.metrics.batch_items.labels("SaveBatch").inc(len(items))
+                session.require_memory()  # a session that may not save or load fails the batch, whatever its items
+                groups = len(session.layout.groups)
+                args = [_item(wire.save_args, item, session.hash_bytes, groups) for _, item in items]
+                outs = self.datapath.save_many(session, [a for a in args if not isinstance(a, Exception)], deadline)
+            results = self._answers("SaveBatch", items, args, outs, pb.SaveItemResult, wire.save_response)
+            return pb.SaveBatchResponse(results=results)
+
+        return self._call(context, "SaveBatch", self._data_slots, run, request)
 
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
@@ -177,14 +193,25 @@ class SidecarService(pb_grpc.SidecarServicer):
     def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
         def run() -> pb.LoadResponse:
             with self.sessions.use(request.session_id) as session:
-                hashes = wire.hashes(request.block_hashes, session.hash_bytes)
-                ids = wire.block_ids(request.block_ids, len(session.layout.groups))
-                out = self.datapath.load(
-                    session, hashes, ids, request.hit_tokens, list(request.tail_boundaries), request.start_tokens
-                )
+                args = wire.load_args(request, session.hash_bytes, len(session.layout.groups))
+                out = self.datapath.load(session, *args)
             return wire.load_response(out)
 
         return self._call(context, "Load", self._data_slots, run, request)
+
+    def LoadBatch(self, request: pb.LoadBatchRequest, context: Any) -> pb.LoadBatchResponse:
+        def run() -> pb.LoadBatchResponse:
+            with self.sessions.use(request.session_id) as session:
+                items = wire.batch_items(request.items, "LoadBatch")
+                self.metrics.batch_items.labels("LoadBatch").inc(len(items))
+                session.require_memory()  # a session that may not save or load fails the batch, whatever its items
+                groups = len(session.layout.groups)
+                args = [_item(wire.load_args, item, session.hash_bytes, groups) for _, item in items]
+                outs = self.datapath.load_many(session, [a for a in args if not isinstance(a, Exception)])
+            results = self._answers("LoadBatch", items, args, outs, pb.LoadItemResult, wire.load_response)
+            return pb.LoadBatchResponse(results=results)
+
+        return self._call(context, "LoadBatch", self._data_slots, run, request)
 
     def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         def run() -> pb.ResetResponse:
@@ -234,7 +261,40 @@ class SidecarService(pb_grpc.SidecarServicer):
 
         return self._call(context, "Stats", self._lookup_slots, run, request)
 
+    def _answers(
+        self,
+        method: str,
+        items: Sequence[tuple[str, Any]],
+        args: Sequence[Any],
+        outs: Sequence[Any],
+        result: Callable[..., T],
+        response: Callable[[Any], Any],
+    ) -> list[T]:
+        """Each item's result under its name: its refusal (args) or the data path's answer (outs, in order)."""
+        done = iter(outs)
+        answers = []
+        for (name, _), arg in zip(items, args, strict=True):
+            out = arg if isinstance(arg, Exception) else next(done)
+            if isinstance(out, Exception):
+                answers.append(result(name=name, error=self._item_error(method, out)))
+            else:
+                answers.append(result(name=name, response=response(out)))
+        return answers
+
+    def _item_error(self, method: str, exc: Exception) -> pb.ItemError:
+        """A batch item's own refusal, counted and logged as a lone call's; session errors fail the whole batch."""
+        if isinstance(exc, SESSION_ERRORS):
+            raise exc
+        code, reason = status_of(exc)
+        self.metrics.requests_rejected.labels(method, code.name).inc()
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("%s: an item failed", method, exc_info=exc)
+        else:
+            log.debug("%s: an item refused: %s: %s", method, code.name, reason)
+        return wire.item_error(code, reason)
+
     def _call(self, context: Any, method: str, slots: Slots | None, fn: Callable[[], T], request: Any) -> T:
+        self.metrics.requests.labels(method).inc()
         with self._idle:
             self._running += 1
         try:
@@ -260,3 +320,11 @@ class SidecarService(pb_grpc.SidecarServicer):
                 self._running -= 1
                 if not self._running:
                     self._idle.notify_all()
+
+
+def _item(convert: Callable[..., T], *args: Any) -> T | Exception:
+    """A batch item's values, or why it is refused (that item alone)."""
+    try:
+        return convert(*args)
+    except Exception as exc:
+        return exc

@@ -8,7 +8,7 @@ from kvsidecar.errors import BadRequest, Forbidden, OutOfOrder, RequestError, Sh
 from kvsidecar.store.codes import StoreCode, StoreError
 from kvsidecar_contract.placement import PlacementError
 
-__all__ = ["MAX_REASON_CHARS", "STATUS_OF", "status_of"]
+__all__ = ["MAX_REASON_CHARS", "SESSION_ERRORS", "STATUS_OF", "status_of"]
 
 # The first class in an error's MRO that is listed decides; the client maps these codes back
 # (client/kvsidecar_client/errors.py).
@@ -21,6 +21,10 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     RequestError: grpc.StatusCode.INTERNAL,
 }
+
+# Errors about the session or the daemon, the same for every item of a batch: they fail a SaveBatch or LoadBatch as
+# a whole (with the status above); any other error of an item is that item's own, answered in its result.
+SESSION_ERRORS: tuple[type[Exception], ...] = (UnknownSession, OutOfOrder, Forbidden, ShuttingDown)
 
 MAX_REASON_CHARS = 2048  # reasons may quote client input; gRPC clients refuse trailers past 16 KiB
 

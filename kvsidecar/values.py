@@ -6,6 +6,7 @@ Plain values only: nothing here maps memory, talks to the store or knows gRPC.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,10 +16,12 @@ __all__ = [
     "CudaHandle",
     "MemfdHandle",
     "Failure",
+    "LoadArgs",
     "LoadOutcome",
     "LookupOutcome",
     "RegionRequest",
     "Role",
+    "SaveArgs",
     "SaveOutcome",
     "SessionSummary",
     "ShmHandle",
@@ -90,6 +93,25 @@ class SaveOutcome(NamedTuple):
     striped_to_others: int
     bytes_written: int
     absent: int = 0
+
+
+class SaveArgs(NamedTuple):
+    """One request's save: its hashes, per-group block ids, tokens computed and tokens saved before."""
+
+    hashes: Sequence[bytes]
+    block_ids: Sequence[Sequence[int]]
+    num_tokens: int
+    saved: int = 0
+
+
+class LoadArgs(NamedTuple):
+    """One request's load: a lookup's hit and tails, and the tokens the engine already holds."""
+
+    hashes: Sequence[bytes]
+    block_ids: Sequence[Sequence[int]]
+    hit_tokens: int
+    tails: Sequence[int]
+    start_tokens: int = 0
 
 
 class LookupOutcome(NamedTuple):

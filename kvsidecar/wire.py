@@ -5,6 +5,7 @@ Nothing else: no memory is opened, no session looked up, no store called here.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,17 +18,20 @@ from kvsidecar.store import StoreHealth
 from kvsidecar.values import (
     CudaHandle,
     Failure,
+    LoadArgs,
     LoadOutcome,
     LookupOutcome,
     MemfdHandle,
     RegionRequest,
     Role,
+    SaveArgs,
     SaveOutcome,
     SessionSummary,
     ShmHandle,
 )
 from kvsidecar_contract.kinds import KIND_OF_PROTO
 from kvsidecar_contract.limits import (
+    MAX_BATCH_ITEMS,
     MAX_BLOCK_IDS,
     MAX_GROUPS,
     MAX_HASH_BYTES,
@@ -201,6 +205,49 @@ def block_ids(values: Sequence[Any], num_groups: int) -> list[list[int]]:
             raise BadRequest(f"group {g}: at most {MAX_BLOCK_IDS} block ids, got {len(v.ids)}")
         out.append(list(v.ids))
     return out
+
+
+def batch_items(items: Sequence[Any], method: str) -> list[tuple[str, Any]]:
+    """(name, request) of a SaveBatch or LoadBatch's items; the batch as a whole must fit the per-request limits."""
+    if len(items) > MAX_BATCH_ITEMS:
+        raise BadRequest(f"{method}: at most {MAX_BATCH_ITEMS} items per batch, got {len(items)}")
+    out = [(item.name, item.request) for item in items]
+    if len({name for name, _ in out}) != len(out):
+        dup = next(name for name, n in Counter(name for name, _ in out).items() if n > 1)
+        raise BadRequest(f"{method}: item names must be unique, {dup[:MAX_NAME_CHARS]!r} appears more than once")
+    # One request this size would be refused: a batch is no way around the limits.
+    total_hashes = sum(len(r.block_hashes) for _, r in out)
+    if total_hashes > MAX_HASHES:
+        raise BadRequest(
+            f"{method}: at most {MAX_HASHES} block hashes per batch, all items together, got {total_hashes}"
+        )
+    total_ids = sum(len(g.ids) for _, r in out for g in r.block_ids)
+    if total_ids > MAX_BLOCK_IDS:
+        raise BadRequest(f"{method}: at most {MAX_BLOCK_IDS} block ids per batch (all items), got {total_ids}")
+    return out
+
+
+def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs:
+    """One Save request's (or SaveBatch item's) values."""
+    return SaveArgs(
+        hashes(req.block_hashes, hash_bytes), block_ids(req.block_ids, num_groups), req.num_tokens, req.saved_tokens
+    )
+
+
+def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs:
+    """One Load request's (or LoadBatch item's) values."""
+    return LoadArgs(
+        hashes(req.block_hashes, hash_bytes),
+        block_ids(req.block_ids, num_groups),
+        req.hit_tokens,
+        list(req.tail_boundaries),
+        req.start_tokens,
+    )
+
+
+def item_error(code: grpc.StatusCode, reason: str) -> pb.ItemError:
+    """A batch item's refusal: the status a lone request would have got."""
+    return pb.ItemError(code=code.value[0], reason=reason)
 
 
 def failures(items: Sequence[Failure]) -> list[pb.FailedBlock]:

@@ -62,7 +62,7 @@ def render_markdown(doc: dict[str, Any], *, plot: str | None = None) -> str:
             ("met", lambda r: met[r["met"]]),
         ],
     )
-    lines += _throughput_md(doc, plot) + _lookup_md(doc) + _scaling_md(doc) + _volume_md(doc)
+    lines += _throughput_md(doc, plot) + _step_md(doc) + _lookup_md(doc) + _scaling_md(doc) + _volume_md(doc)
     lines += [
         "## How it was measured",
         "",
@@ -95,6 +95,31 @@ def _throughput_md(doc: dict[str, Any], plot: str | None) -> list[str]:
     if plot:
         lines += [f"![throughput against block count]({plot})", ""]
     return lines
+
+
+def _step_md(doc: dict[str, Any]) -> list[str]:
+    if not doc.get("step"):
+        return []
+    first = doc["step"][0]
+    title = (
+        f"## 1b. One engine step: {first['requests']} requests of 1-4 blocks, one batched call against one call per "
+        "request (ms per step, interleaved)"
+    )
+    return _section(
+        title,
+        doc["step"],
+        [
+            ("shape", lambda sp: sp["shape"]),
+            ("op", lambda sp: sp["op"]),
+            ("blocks", lambda sp: str(sp["blocks"])),
+            ("MiB", lambda sp: f"{sp['bytes'] / 2**20:.0f}"),
+            ("batched p50", lambda sp: _f(sp["batched"]["p50_ms"])),
+            ("separate p50", lambda sp: _f(sp["separate"]["p50_ms"])),
+            ("batched / separate", lambda sp: _f(sp["batched_over_separate"], 3)),
+            ("CPU batched / separate", lambda sp: _f(sp.get("cpu_batched_over_separate"), 3)),
+            ("bytes verified", lambda sp: "yes" if sp["verified"] else "**no**"),
+        ],
+    )
 
 
 def _lookup_md(doc: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from kvsidecar_bench.lookup import LookupPoint
 from kvsidecar_bench.scaling import ScalePoint
 from kvsidecar_bench.settings import Settings
 from kvsidecar_bench.stats import Samples, ratio
+from kvsidecar_bench.step import StepPoint
 from kvsidecar_bench.throughput import ShapeResult
 from kvsidecar_bench.volume import VolumeResult
 
@@ -39,6 +40,7 @@ class Results:
     load_average_at_end: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     throughput: list[ShapeResult] = field(default_factory=list)
+    step: list[StepPoint] = field(default_factory=list)
     lookup: list[LookupPoint] = field(default_factory=list)
     scaling: list[ScalePoint] = field(default_factory=list)
     volume: list[VolumeResult] = field(default_factory=list)
@@ -72,6 +74,7 @@ def to_json(results: Results) -> dict[str, Any]:
         "paths": results.paths,
         "notes": results.notes,
         "throughput": [],
+        "step": [],
         "lookup": [],
         "scaling": [],
         "volume": [],
@@ -101,6 +104,21 @@ def to_json(results: Results) -> dict[str, Any]:
                 "slices_per_value": shape.regions,
                 "verified": shape_result.verified,
                 "points": points,
+            }
+        )
+    for stp in results.step:
+        doc["step"].append(
+            {
+                "shape": stp.shape,
+                "op": stp.op,
+                "requests": stp.requests,
+                "blocks": stp.blocks,
+                "bytes": stp.nbytes,
+                "verified": stp.verified,
+                "batched": _latency(stp.samples["batched"]),
+                "separate": _latency(stp.samples["separate"]),
+                "batched_over_separate": _num(stp.batched_over_separate, 3),
+                "cpu_batched_over_separate": _num(stp.cpu_batched_over_separate, 3),
             }
         )
     for lp in results.lookup:
@@ -279,12 +297,14 @@ def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
     step = doc.get("step") or []
     for sp in step:
         r = sp["batched_over_separate"]
+        op = {"save": "SaveBatch", "load": "LoadBatch"}[sp["op"]]
         rows.append(
             _row(
                 g2,
-                f"a step of {sp['requests']} {sp['op']}s: one batched call / separate calls",
-                "one call per request",
-                r,
+                f"{sp['shape'].upper()} step of {sp['requests']} {sp['op']}s ({sp['blocks']} blocks): one {op} "
+                f"/ {sp['requests']} {sp['op'].capitalize()} calls",
+                f"{sp['requests']} separate calls (the connector before: one per request)",
+                math.nan if r is None else r,
                 "< 1.0",
                 None if r is None else r < 1.0,
             )

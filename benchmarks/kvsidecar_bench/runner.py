@@ -17,7 +17,7 @@ from typing import Any
 
 from kvsidecar.testing.mooncake_env import MooncakeEnv
 from kvsidecar.testing.processes import Daemon, ProcessError, StorageNode
-from kvsidecar_bench import lookup, scaling, throughput, volume
+from kvsidecar_bench import lookup, scaling, step, throughput, volume
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import describe_machine, load_average, process_stats, wait_rss_settled
 from kvsidecar_bench.mooncake_direct import InProcessPath, RealClientPath
@@ -35,6 +35,8 @@ def _total_steps(settings: Settings) -> int:
     total = 1
     if "throughput" in settings.sections:
         total += throughput.steps(len(settings.shapes), settings.blocks, settings.rounds, settings.cold_rounds)
+    if "step" in settings.sections:
+        total += step.steps(len(_step_shapes(settings)), settings.step_rounds)
     if "lookup" in settings.sections:
         total += len(settings.lookup_tokens) + len(lookup.CASES) - 1
     if "scaling" in settings.sections:
@@ -79,11 +81,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_shapes(settings: Settings) -> list[str]:
+    # The goal names MLA and GQA; a TP-8 rank's step is the same calls with smaller values.
+    return [name for name in settings.shapes if name in ("mla", "gqa")] or list(settings.shapes[:1])
+
+
 def _check_capacity(settings: Settings, shapes: list[Any]) -> None:
     # Values stay in the segment until a phase clears them: past Mooncake's eviction watermark puts would fail.
     room = 0.8 * settings.segment_size
     if throughput.cold_bytes(shapes, settings.cold_blocks, settings.cold_rounds) > room:
         raise BenchError("the cold phase would fill more than 80% of --segment-size: lower --cold-blocks/--cold-rounds")
+    one_step = max(step.step_bytes(SHAPES[name], settings.step_requests) for name in _step_shapes(settings))
+    if "step" in settings.sections and one_step > room:
+        raise BenchError("a step would fill more than 80% of --segment-size: lower --step-requests")
     one_rank = settings.scale_rounds * settings.scale_blocks * scale_rank_shape(0).value_bytes
     if "scaling" in settings.sections and max(settings.ranks) * one_rank > room:
         raise BenchError("a scaling phase would fill more than 80% of --segment-size: lower --scale-rounds/-blocks")
@@ -156,6 +166,16 @@ def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: Moo
                 settings.rounds,
                 settings.cold_blocks,
                 settings.cold_rounds,
+                progress,
+                nonce,
+            )
+        if "step" in sections:
+            progress.section("one engine step: batched against separate calls")
+            results.step = step.measure_step(
+                daemon,
+                [SHAPES[name] for name in _step_shapes(settings)],
+                settings.step_requests,
+                settings.step_rounds,
                 progress,
                 nonce,
             )

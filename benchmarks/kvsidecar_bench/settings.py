@@ -12,7 +12,7 @@ from kvsidecar_bench.shapes import SHAPES
 
 __all__ = ["DEFAULT_OUT", "SECTIONS", "Settings", "add_arguments"]
 
-SECTIONS = ("throughput", "lookup", "scaling", "volume")
+SECTIONS = ("throughput", "step", "lookup", "scaling", "volume")
 DEFAULT_OUT = "docs/benchmarks"
 MiB = 1 << 20
 
@@ -28,6 +28,8 @@ class Settings:
     rounds: int = 7
     cold_blocks: int = 32
     cold_rounds: int = 5
+    step_requests: int = 32
+    step_rounds: int = 9
     lookup_tokens: tuple[int, ...] = (4096, 32768, 131072)
     lookup_reps: int = 60
     ranks: tuple[int, ...] = (1, 2, 4, 8)
@@ -47,6 +49,7 @@ QUICK = Settings(
     rounds=3,
     cold_blocks=16,
     cold_rounds=3,
+    step_rounds=3,
     lookup_tokens=(4096, 32768),
     lookup_reps=20,
     ranks=(1, 2),
@@ -105,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help=f"measured rounds per point (default {full.rounds})")
     parser.add_argument("--cold-blocks", type=int, help=f"blocks per request, cold phase (default {full.cold_blocks})")
     parser.add_argument("--cold-rounds", type=int, help=f"rounds of the cold phase (default {full.cold_rounds})")
+    parser.add_argument(
+        "--step-requests", type=int, help=f"requests of 1-4 blocks in one engine step (default {full.step_requests})"
+    )
+    parser.add_argument("--step-rounds", type=int, help=f"measured steps per mode (default {full.step_rounds})")
     parser.add_argument("--lookup-tokens", type=_ints, help=f"prompt lengths (default {_join(full.lookup_tokens)})")
     parser.add_argument("--lookup-reps", type=int, help=f"lookups per prompt length (default {full.lookup_reps})")
     parser.add_argument("--ranks", type=_ints, help=f"concurrent ranks (default {_join(full.ranks)})")
@@ -139,6 +146,8 @@ def from_args(args: argparse.Namespace) -> Settings:
         "rounds",
         "cold_blocks",
         "cold_rounds",
+        "step_requests",
+        "step_rounds",
         "lookup_reps",
         "scale_blocks",
         "scale_rounds",

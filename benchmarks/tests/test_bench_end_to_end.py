@@ -23,6 +23,8 @@ TINY = [
     "--rounds", "1",
     "--cold-blocks", "2",
     "--cold-rounds", "1",
+    "--step-requests", "4",
+    "--step-rounds", "1",
     "--lookup-tokens", "256",
     "--lookup-reps", "2",
     "--ranks", "1,2",
@@ -94,6 +96,19 @@ def test_lookup_scaling_and_report_structure(report):
     assert doc["command"] in markdown
     plotted = (out / "throughput.png").exists()
     assert plotted == ("![throughput" in markdown)
+
+
+def test_a_step_is_measured_both_ways_with_its_bytes_checked(report):
+    doc, markdown, _ = report
+    steps = {(sp["shape"], sp["op"]): sp for sp in doc["step"]}
+    assert set(steps) == {("mla", "save"), ("mla", "load")}
+    for sp in steps.values():
+        assert (sp["requests"], sp["blocks"]) == (4, 1 + 2 + 3 + 4) and sp["verified"]
+        assert len(sp["batched"]["seconds"]) == len(sp["separate"]["seconds"]) == 1
+        assert sp["batched_over_separate"] is not None
+    rows = [r for r in doc["headline"] if r["goal"] == "2 one RPC per step"]
+    assert len(rows) == 2 and all(r["met"] is not None for r in rows)
+    assert "## 1b. One engine step" in markdown
 
 
 def test_write_volume_is_one_byte_per_distinct_byte(report):

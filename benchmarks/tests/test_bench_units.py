@@ -186,6 +186,21 @@ def test_goal_1_judges_only_8_to_128_blocks():
     assert not [m for m in rows if " 4-" in m or ": 4)" in m]
 
 
+def test_the_step_rows_judge_batched_against_separate_calls():
+    doc = _doc()
+    step = {"shape": "gqa", "requests": 32, "blocks": 80, "bytes": 80 << 21, "verified": True}
+    doc["step"] = [
+        {**step, "op": "save", "batched_over_separate": 0.5, "batched": _latency(10), "separate": _latency(20)},
+        {**step, "op": "load", "batched_over_separate": 1.2, "batched": _latency(12), "separate": _latency(10)},
+    ]
+    rows = [r for r in headline(doc) if r["goal"] == "2 one RPC per step"]
+    assert [(r["value"], r["target"], r["met"]) for r in rows] == [(0.5, "< 1.0", True), (1.2, "< 1.0", False)]
+    assert "one SaveBatch / 32 Save calls" in rows[0]["metric"] and "GQA" in rows[0]["metric"]
+    assert "separate calls" in rows[0]["peer"]
+    doc["headline"] = headline(doc)
+    assert "## 1b. One engine step" in render_markdown(doc)
+
+
 def test_markdown_has_every_section_and_the_command():
     doc = _doc()
     doc["headline"] = headline(doc)

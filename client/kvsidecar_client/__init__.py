@@ -14,6 +14,7 @@ Usage:
 """
 
 from kvsidecar_client._channel import TcpAuth
+from kvsidecar_client.batch import LoadItem, SaveItem
 from kvsidecar_client.client import SidecarClient
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
@@ -58,12 +59,14 @@ __all__ = [
     "GroupSpec",
     "Hit",
     "InvalidRequest",
+    "LoadItem",
     "LoadResult",
     "NO_BLOCK",
     "PermissionDenied",
     "PreconditionFailed",
     "Registration",
     "ResourceExhausted",
+    "SaveItem",
     "SaveJob",
     "SaveResult",
     "SessionInfo",

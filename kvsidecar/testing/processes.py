@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -24,6 +26,7 @@ __all__ = ["LOOPBACK", "Daemon", "ProcessError", "StorageNode", "free_port", "st
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
+_REQUESTS_SAMPLE = re.compile(r'^kvsidecar_requests_total\{method="(?P<method>\w+)"\} (?P<value>\S+)$', re.M)
 
 
 class ProcessError(RuntimeError):
@@ -106,6 +109,12 @@ class Daemon:
     def metrics_url(self) -> str:
         """Where Prometheus would scrape."""
         return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+
+    def requests_by_method(self) -> dict[str, float]:
+        """Requests the daemon received, by gRPC method (kvsidecar_requests_total), from its metrics endpoint."""
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as reply:
+            body = reply.read().decode()
+        return {m["method"]: float(m["value"]) for m in _REQUESTS_SAMPLE.finditer(body)}
 
     @property
     def pid(self) -> int:

@@ -17,7 +17,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support.fuzzsessions import Guarded, check_memory, close_all
+from support.fuzzsessions import Guarded, check_memory, close_all, loaded_ids
 from support.fuzzstrategies import SessionShape, chain, load_requests, lookup_requests, save_requests
 from support.fuzzwire import METHODS, Wire, check_clean, fuzz_settings
 from support.guarded import Geometry, GuardedSegment, region
@@ -64,6 +64,14 @@ def valid_message(draw, guarded: Guarded, shape: SessionShape) -> tuple[str, byt
         msg = draw(load_requests(sid, shape, POOL))
     elif method == "Lookup":
         msg = draw(lookup_requests(sid, shape, POOL))
+    elif method in ("SaveBatch", "LoadBatch"):
+        single, item, batch = (
+            (save_requests, pb.SaveItem, pb.SaveBatchRequest)
+            if method == "SaveBatch"
+            else (load_requests, pb.LoadItem, pb.LoadBatchRequest)
+        )
+        requests = draw(st.lists(single(sid, shape, POOL), min_size=1, max_size=3))
+        msg = batch(session_id=sid, items=[item(name=str(i), request=r) for i, r in enumerate(requests)])
     elif method == "OpenSession":
         msg = pb.OpenSessionRequest(
             engine=pb.EngineIdentity(model="org/Bytes-open"),
@@ -138,8 +146,8 @@ def test_fuzz_mangled_bytes_that_still_parse_get_clean_answers(fuzz_daemon, wire
     out = wire.raw(method, payload)
     event(f"{method} {out.code.name}")
     check_clean(out, what=f"{method} {payload!r}")
-    writes = method == "Load" and msg.session_id == guarded.session
-    check_memory([guarded], guarded if writes else None, out, msg.block_ids if writes else ())
+    writes = method in ("Load", "LoadBatch") and msg.session_id == guarded.session
+    check_memory([guarded], guarded if writes else None, out, loaded_ids(method, msg, out) if writes else ())
     fuzz_daemon.check()
     good_client.check()
 

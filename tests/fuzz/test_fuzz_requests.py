@@ -19,7 +19,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support.fuzzsessions import Guarded, check_memory, close_all
+from support.fuzzsessions import Guarded, check_memory, close_all, loaded_ids
 from support.fuzzstrategies import (
     U32_MAX,
     U64_MAX,
@@ -218,6 +218,8 @@ def expected(method: str, target: str) -> set[grpc.StatusCode]:
         return {GONE}
     if method in ("Lookup", "KeepAlive"):
         return {OK, BAD}
+    if method in ("SaveBatch", "LoadBatch") and target in ("scheduler", "unregistered"):
+        return {DENIED if target == "scheduler" else ORDER, BAD}
     if method == "RegisterMemory":
         return {DENIED} if target == "scheduler" else {ORDER, BAD}
     if target == "scheduler":
@@ -230,9 +232,29 @@ def expected(method: str, target: str) -> set[grpc.StatusCode]:
 @st.composite
 def arena_ops(draw, arena: Arena):
     target = draw(st.sampled_from(("a", "a", "a", "b", "b", "scheduler", "unregistered", "closed")))
-    method = draw(st.sampled_from(("Save", "Save", "Load", "Load", "Load", "Lookup", "Lookup", "KeepAlive", "Reg")))
+    method = draw(
+        st.sampled_from(
+            ("Save", "Save", "Load", "Load", "Load", "Lookup", "Lookup", "KeepAlive", "Reg", "SaveBatch", "LoadBatch")
+        )
+    )
     sid, shape = arena.sessions[target], arena.shapes[target]
-    if method == "Save":
+    if method in ("SaveBatch", "LoadBatch"):
+        # Items are drawn (and mutated, their session ids too, which a batch ignores) like lone requests; the
+        # first item's session id is the batch's. Names come from a small alphabet so that some repeat.
+        single = save_requests if method == "SaveBatch" else load_requests
+        items = draw(st.lists(single(sid, shape, POOL), min_size=1, max_size=4))
+        names = draw(st.lists(st.sampled_from("abcdefgh"), min_size=len(items), max_size=len(items)))
+        if method == "SaveBatch":
+            req = pb.SaveBatchRequest(
+                session_id=items[0].session_id,
+                items=[pb.SaveItem(name=n, request=r) for n, r in zip(names, items, strict=True)],
+            )
+        else:
+            req = pb.LoadBatchRequest(
+                session_id=items[0].session_id,
+                items=[pb.LoadItem(name=n, request=r) for n, r in zip(names, items, strict=True)],
+            )
+    elif method == "Save":
         req = draw(save_requests(sid, shape, POOL))
     elif method == "Load":
         req = draw(load_requests(sid, shape, POOL))
@@ -261,7 +283,9 @@ def test_fuzz_data_requests_against_sessions_in_every_state(fuzz_daemon, arena, 
         allowed = expected(method, target) if req.session_id == arena.sessions[target] else {GONE}
         check_clean(out, allowed, what=f"{target}: {str(req)[:1500]}")
         writer = owners.get(target) if req.session_id == arena.sessions[target] else None
-        check_memory([arena.a, arena.b], writer, out, req.block_ids if method == "Load" else ())
+        check_memory([arena.a, arena.b], writer, out, loaded_ids(method, req, out))
+        if method in ("SaveBatch", "LoadBatch") and out.ok:
+            check_items(req, out.response)
         if method == "Lookup" and out.ok and writer is not None and out.response.hit_tokens:
             hashes = list(req.block_hashes)
             rng = random.Random(seed)
@@ -271,6 +295,19 @@ def test_fuzz_data_requests_against_sessions_in_every_state(fuzz_daemon, arena, 
             assert all(f.reason for f in out.response.failures), out.response
     fuzz_daemon.check()
     good_client.check()
+
+
+def check_items(req, response) -> None:
+    """Every item answered once, in order, by name; an item's error is a contract code with a reason."""
+    assert [r.name for r in response.results] == [i.name for i in req.items], response
+    for result in response.results:
+        if result.WhichOneof("outcome") == "error":
+            assert result.error.code == BAD.value[0] and result.error.reason, result
+        elif isinstance(result, pb.SaveItemResult):
+            assert result.response.failed == len(result.response.failures), result
+            assert all(f.reason for f in result.response.failures), result
+        else:
+            assert result.WhichOneof("outcome") == "response", result
 
 
 # ---------------------------------------------------------------------------------------------------------------------

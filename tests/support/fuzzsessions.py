@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzwire import Outcome, Wire
@@ -43,6 +44,25 @@ def check_memory(
                     f"{outcome.method} ({outcome.code.name}) changed bytes it may not write in segment "
                     f"{segment.name} of {segment.size} bytes, at {bad[:5]}"
                 )
+
+
+def loaded_ids(method: str, req: Any, out: Outcome) -> list[pb.BlockIds]:
+    """The block ids a request may have written into: a Load's, or those of a LoadBatch's answered items."""
+    if method == "Load":
+        return list(req.block_ids)
+    if method != "LoadBatch" or not out.ok:
+        return []
+    response = out.response
+    if isinstance(response, bytes):  # a raw call's answer
+        response = pb.LoadBatchResponse.FromString(response)
+    answered = [
+        i.request for i, r in zip(req.items, response.results, strict=True) if r.WhichOneof("outcome") == "response"
+    ]
+    groups = max((len(r.block_ids) for r in answered), default=0)
+    return [
+        pb.BlockIds(ids=[b for r in answered if g < len(r.block_ids) for b in r.block_ids[g].ids])
+        for g in range(groups)
+    ]
 
 
 def close_all(wire: Wire, sessions: Sequence[str], segments: Sequence[GuardedSegment]) -> None:

@@ -26,6 +26,8 @@ METHODS: dict[str, tuple[type[Any], type[Any]]] = {
     "Save": (pb.SaveRequest, pb.SaveResponse),
     "Lookup": (pb.LookupRequest, pb.LookupResponse),
     "Load": (pb.LoadRequest, pb.LoadResponse),
+    "SaveBatch": (pb.SaveBatchRequest, pb.SaveBatchResponse),
+    "LoadBatch": (pb.LoadBatchRequest, pb.LoadBatchResponse),
     "Reset": (pb.ResetRequest, pb.ResetResponse),
     "Stats": (pb.StatsRequest, pb.StatsResponse),
 }

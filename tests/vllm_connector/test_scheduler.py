@@ -128,3 +128,53 @@ def test_a_recurrent_state_the_engine_did_not_keep_is_never_stored(vllm_env, tin
         assert external_tokens(warm, "short", PROMPT[:49]) == 0
     finally:
         warm.close()
+
+
+def test_requests_of_one_step_share_one_save_call_and_one_load_call(vllm_env, tiny_model, daemon, cache_prefix):
+    # Three prompts scheduled in the same steps: each step's saves go to the daemon as one SaveBatch, the warm
+    # engine's three loads as one LoadBatch, and every request still gets exactly its own hit.
+    prompts = {f"p{i}": [(t * 37 + 11 + 101 * i) % 1000 for t in range(80)] for i in range(3)}
+    before = daemon.requests_by_method()
+    cold = engine(tiny_model, daemon, cache_prefix, "full")
+    try:
+        for name, prompt in prompts.items():
+            cold.add(name, prompt)
+        outputs = [cold.step()]
+        # The whole prefill of all three in one step, so that step saves all three.
+        assert {s.req_id for s in outputs[0].kv_connector_metadata.saves} == set(prompts)
+        for name in prompts:
+            outputs += cold.run_until(name)
+    finally:
+        cold.close()  # waits for the saves in flight
+    after_cold = daemon.requests_by_method()
+    steps_saving = sum(1 for output in outputs if output.kv_connector_metadata.saves)
+    assert after_cold.get("SaveBatch", 0) - before.get("SaveBatch", 0) == steps_saving
+    assert after_cold.get("Save", 0) == before.get("Save", 0)
+
+    warm = engine(tiny_model, daemon, cache_prefix, "full")
+    try:
+        for name, prompt in prompts.items():
+            warm.add(name, prompt)
+        planned = warm.step()  # every lookup hits, every load is planned in this step
+        assert {load.req_id for load in planned.kv_connector_metadata.loads} == set(prompts)
+        starts: dict[str, int] = {}
+        for _ in range(20):
+            output = warm.step()
+            starts.update({n.req_id: n.num_computed_tokens for n in output.scheduled_new_reqs})
+            if set(starts) == set(prompts):
+                break
+        assert starts == dict.fromkeys(prompts, 64)
+        # Scheduled only once reported received: the loads are done, all three in one call.
+        loaded = daemon.requests_by_method()
+        assert loaded.get("LoadBatch", 0) - after_cold.get("LoadBatch", 0) == 1
+        assert loaded.get("Load", 0) == after_cold.get("Load", 0)
+        for name, prompt in prompts.items():
+            table = warm.scheduler.kv_cache_manager.get_block_ids(name)
+            for index in range(64 // BLOCK):
+                got = warm.block_bytes(0, table[0][index])
+                want = warm.expected_block(prompt, 0, index, 64)
+                for got_layer, want_layer in zip(got, want, strict=True):
+                    for g, w in zip(got_layer, want_layer, strict=True):
+                        assert (g == w).all(), f"{name} block {index}: wrong bytes loaded"
+    finally:
+        warm.close()

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
 
 import torch
-from sidecar_engine import BLOCK, LAYOUTS, allocate, kv_cache_config, layer_parts, vllm_config
+from sidecar_engine import BLOCK, LAYOUTS, NUM_BLOCKS, allocate, kv_cache_config, layer_parts, vllm_config
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -43,6 +43,21 @@ def poll(connector, finished: set[str], want: str, timeout: float = 10.0) -> tup
             return sent, received
         time.sleep(0.01)
     raise AssertionError(f"{want} was never reported finished")
+
+
+def poll_all(connector, finished: set[str], want: set[str], timeout: float = 30.0) -> tuple[set[str], set[str]]:
+    """Everything reported finished until every request of `want` was (reports come once each)."""
+    deadline = time.monotonic() + timeout
+    sent: set[str] = set()
+    received: set[str] = set()
+    while time.monotonic() < deadline:
+        sending, recving = connector.get_finished(finished)
+        sent |= sending or set()
+        received |= recving or set()
+        if want <= sent | received:
+            return sent, received
+        time.sleep(0.01)
+    raise AssertionError(f"{sorted(want - sent - received)} were never reported finished")
 
 
 @pytest.mark.parametrize("split_kv", [False, True], ids=["packed-kv", "split-kv"])
@@ -113,5 +128,67 @@ def test_hybrid_caches_register_in_group_then_layer_order(vllm_env, tiny_model, 
         attention = 2 * BLOCK * 2 * 16 * 4
         mamba = 2 * (3 * 8 + 2 * 4 * 4) * 4
         assert registration.value_bytes == (attention, mamba)
+    finally:
+        connector.shutdown()
+
+
+def test_a_step_of_many_requests_is_one_save_and_one_load_call_answered_per_request(
+    vllm_env, tiny_model, daemon, cache_prefix
+):
+    connector, kv = worker(tiny_model, daemon, cache_prefix)
+    caches = allocate(kv)
+    try:
+        connector.register_kv_caches(caches)
+        generator = torch.Generator().manual_seed(14)
+        for cache in caches.values():
+            for part in layer_parts(cache):
+                part.copy_(torch.randn(part.shape, generator=generator))
+        # Four requests of 1-4 blocks, each its own prompt, saved in one step.
+        prompts = {f"r{n}": tuple(bytes([n, i]) * 16 for i in range(1, n + 1)) for n in range(1, 5)}
+        sources = {"r1": [0], "r2": [1, 2], "r3": [3, 4, 5], "r4": [6, 7, 8, 9]}
+        before = daemon.requests_by_method()
+        saves = [
+            SaveSpec(r, prompts[r], (tuple(sources[r]),), len(prompts[r]) * BLOCK, 0, frozenset(sources[r]))
+            for r in prompts
+        ]
+        connector.bind_connector_metadata(KVSidecarMetadata(saves=saves, delayed_saves=frozenset(prompts)))
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        sent, _ = poll_all(connector, set(prompts), set(prompts))
+        assert sent == set(prompts)  # every request learns its own saves are done
+        middle = daemon.requests_by_method()
+        assert middle.get("SaveBatch", 0) - before.get("SaveBatch", 0) == 1
+        assert middle.get("Save", 0) == before.get("Save", 0)
+
+        with SidecarClient.connect(
+            daemon.target, model=str(tiny_model), layout=EngineLayout(), num_kv_heads=2, hash_block_size=BLOCK,
+            groups=engine_groups(kv).specs, cache_prefix=cache_prefix,
+            value_identity=connector.client.spec.value_identity, role="scheduler",
+        ) as scheduler:  # fmt: skip
+            hits = {r: scheduler.lookup(prompts[r], len(prompts[r]) * BLOCK + 1) for r in prompts}
+        assert {r: h.hit_tokens for r, h in hits.items()} == {r: len(prompts[r]) * BLOCK for r in prompts}
+        targets = {"r1": [20], "r2": [21, 22], "r3": [23, 24, 25], "r4": [26, 27, 28, 29]}
+        loads = [LoadSpec(r, prompts[r], (tuple(targets[r]),), hits[r], 0, (tuple(targets[r]),)) for r in prompts]
+        # Three more in the same step: one whose values were never stored (every block fails, by name), one the
+        # daemon refuses (a block id past the cache: recompute all it asked), one the scheduler already refused.
+        never = tuple(bytes([9, i]) * 16 for i in range(1, 3))
+        loads.append(LoadSpec("miss", never, ((30, 31),), hits["r2"], 0, ((30, 31),)))
+        loads.append(LoadSpec("bad", prompts["r1"], ((NUM_BLOCKS + 7,),), hits["r1"], 0, ((32,),)))
+        loads.append(LoadSpec("refused", prompts["r1"], ((33,),), hits["r1"], 0, ((33,),), refused="skew"))
+        reused = frozenset(b for spec in loads for group in spec.reads for b in group)
+        connector.bind_connector_metadata(KVSidecarMetadata(loads=loads, reused_block_ids=reused))
+        connector.start_load_kv(None)
+        connector.clear_connector_metadata()
+        _, received = poll_all(connector, set(), {spec.req_id for spec in loads})
+        assert received == {spec.req_id for spec in loads}
+        # Single-group cache: vLLM learns exactly which blocks to recompute, and of which requests.
+        assert connector.get_block_ids_with_load_errors() == {30, 31, 32, 33}
+        after = daemon.requests_by_method()
+        assert after.get("LoadBatch", 0) - middle.get("LoadBatch", 0) == 1
+        assert after.get("Load", 0) == middle.get("Load", 0)
+        for cache in caches.values():
+            for part in layer_parts(cache):
+                for r in prompts:
+                    assert torch.equal(part[targets[r]], part[sources[r]]), r
     finally:
         connector.shutdown()

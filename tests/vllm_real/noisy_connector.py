@@ -1,10 +1,10 @@
 """KVSidecarConnector with one switch for the negative control: noise over every block a load wrote.
 
 Everything else is the stock connector. The switch is a file: while the path in KVSIDECAR_TEST_NOISE exists,
-each finished load has the blocks it wrote overwritten with random values before vLLM is told it finished, the
-way a daemon that delivered wrong bytes would leave them: every group's, or only the recurrent (Mamba, gated
-delta net) groups' when the file says "recurrent". A test whose warm output still equals the cold one
-with this on could not see wrong bytes.
+each finished load (every request of a step's LoadBatch) has the blocks it wrote overwritten with random values
+before vLLM is told it finished, the way a daemon that delivered wrong bytes would leave them: every group's, or
+only the recurrent (Mamba, gated delta net) groups' when the file says "recurrent". A test whose warm output
+still equals the cold one with this on could not see wrong bytes.
 """
 
 from __future__ import annotations
@@ -36,18 +36,19 @@ class NoisyLoadsConnector(KVSidecarConnector):
         }
         worker = self._worker
         if worker is not None:
-            run_load = worker._run_load
+            run_loads = worker._run_loads
 
-            def run_load_then_noise(spec: Any, event: Any) -> set[int]:
-                failed = run_load(spec, event)
+            def run_loads_then_noise(specs: Any, event: Any) -> dict[str, set[int]]:
+                failed = run_loads(specs, event)
                 flag = os.environ.get(NOISE_FLAG, "")
                 if flag and os.path.exists(flag):
                     with open(flag) as f:
                         only_recurrent = f.read().strip() == "recurrent"
-                    self._noise(spec.reads, failed, only_recurrent)
+                    for spec in specs:
+                        self._noise(spec.reads, failed[spec.req_id], only_recurrent)
                 return failed
 
-            worker._run_load = run_load_then_noise  # type: ignore[method-assign]
+            worker._run_loads = run_loads_then_noise  # type: ignore[method-assign]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)

@@ -1,24 +1,28 @@
 """The connector's worker side: registers the rank's KV cache, runs the loads and saves the scheduler planned.
 
-Saves and loads never block the forward pass: each Save is sent after the step's forward and finishes on its own;
-each Load runs on a worker thread while vLLM keeps the request waiting. The one wait is a fence: before a step
-writes a block (a new allocation, a copy, a load, recurrent state written in place), every save still reading
-that block is waited for, so the daemon never stores bytes vLLM has already overwritten.
+Saves and loads never block the forward pass: a step's saves go in one SaveBatch call after its forward and finish
+on their own; a step's loads go in one LoadBatch call on a worker thread while vLLM keeps the requests waiting.
+Each request's answer is its own: vLLM learns per request which finished and which blocks failed. The one wait is
+a fence: before a step writes a block (a new allocation, a copy, a load, recurrent state written in place), every
+save still reading that block is waited for, so the daemon never stores bytes vLLM has already overwritten.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvsidecar_client.batch import LoadItem, SaveItem
 from kvsidecar_client.client import SidecarClient
 from kvsidecar_client.errors import InvalidRequest, SidecarError
+from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.memory import segment_of
-from kvsidecar_client.results import Registration
+from kvsidecar_client.results import LoadResult, Registration
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
 from kvsidecar_client.vllm.regions import regions_of
 
@@ -115,73 +119,98 @@ class WorkerSide:
             concurrent.futures.wait([save.future], timeout=self._wait_timeout)
 
     def start_loads(self, meta: KVSidecarMetadata) -> None:
-        """Start every load of this step on the load threads."""
+        """Start this step's loads on a load thread, all of them in one LoadBatch call."""
         self.ingest(meta)
         self.fence(meta.reused_block_ids)
+        if not meta.loads:
+            return
         event = self._cuda_event()
+        futures: dict[str, concurrent.futures.Future[set[int]]] = {}
         for spec in meta.loads:
-            future = self._load_pool.submit(self._run_load, spec, event)
+            future: concurrent.futures.Future[set[int]] = concurrent.futures.Future()
+            futures[spec.req_id] = future
             with self._lock:
                 self._loads[spec.req_id] = (spec, future)
+        self._load_pool.submit(_settle, futures, self._run_loads, meta.loads, event)
 
-    def _run_load(self, spec: LoadSpec, event: Any) -> set[int]:
-        asked = {b for group in spec.reads for b in group}
-        if spec.refused:
-            log.warning("kvsidecar load for request %s refused, recomputing it: %s", spec.req_id, spec.refused)
-            return asked
+    def _run_loads(self, specs: Sequence[LoadSpec], event: Any) -> dict[str, set[int]]:
+        """The blocks each request must recompute: its failed blocks, or all it asked for when its load failed."""
+        asked = {spec.req_id: {b for group in spec.reads for b in group} for spec in specs}
+        failed: dict[str, set[int]] = {}
+        for spec in specs:
+            if spec.refused:
+                log.warning("kvsidecar load for request %s refused, recomputing it: %s", spec.req_id, spec.refused)
+                failed[spec.req_id] = asked[spec.req_id]
+        todo = [spec for spec in specs if not spec.refused]
+        if not todo:
+            return failed
         if event is not None:
             event.synchronize()  # blocks zeroed or copied this step are written before the daemon writes them
+        items = [LoadItem(s.req_id, s.block_hashes, s.block_ids, s.hit, s.start_tokens) for s in todo]
         try:
-            result = self._client.load_detailed(
-                spec.block_hashes, spec.block_ids, spec.hit, start_tokens=spec.start_tokens
-            )
+            results: Mapping[str, LoadResult | SidecarError] = self._client.load_batch(items)
         except SidecarError as error:
-            # Which blocks the daemon wrote is unknown: every block the load asked for is recomputed.
-            log.warning("kvsidecar load for request %s failed, recomputing it: %s", spec.req_id, error)
-            return asked
-        failed = result.failed_block_ids
-        if failed:
-            log.info("kvsidecar load for request %s: %d blocks failed, recomputing them", spec.req_id, len(failed))
+            results = dict.fromkeys(asked, error)
+        for spec in todo:
+            result = results[spec.req_id]
+            if isinstance(result, SidecarError):
+                # Which blocks the daemon wrote is unknown: every block the load asked for is recomputed.
+                log.warning("kvsidecar load for request %s failed, recomputing it: %s", spec.req_id, result)
+                failed[spec.req_id] = asked[spec.req_id]
+                continue
+            failed[spec.req_id] = result.failed_block_ids
+            if result.failures:
+                log.info(
+                    "kvsidecar load for request %s: %d blocks failed, recomputing them",
+                    spec.req_id,
+                    len(failed[spec.req_id]),
+                )
         return failed
 
     def start_saves(self, meta: KVSidecarMetadata) -> None:
-        """Send this step's saves; they finish on their own (the fence waits for them only where it must)."""
+        """Send this step's saves in one SaveBatch call; they finish on their own (the fence waits where it must)."""
         self.ingest(meta)
         if not meta.saves:
             return
         event = self._cuda_event()
+        futures: dict[str, concurrent.futures.Future[Any]] = {s.req_id: concurrent.futures.Future() for s in meta.saves}
+        if event is None:
+            self._send_saves(meta.saves, futures)
+        else:
+            self._cuda_pool.submit(self._send_saves_after, meta.saves, futures, event)
         for spec in meta.saves:
-            if event is None:
-                future = self._send_save(spec)
-            else:
-                future = self._cuda_pool.submit(self._send_save_after, spec, event)
-            save = _Save(spec.req_id, spec.reads, future)
+            save = _Save(spec.req_id, spec.reads, futures[spec.req_id])
             with self._lock:
                 self._saves.append(save)
                 self._saves_of.setdefault(spec.req_id, []).append(save)
 
-    def _send_save(self, spec: SaveSpec) -> concurrent.futures.Future[Any]:
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def _send_saves(self, specs: Sequence[SaveSpec], done: Mapping[str, concurrent.futures.Future[Any]]) -> None:
+        """One SaveBatch for the specs; each request's `done` completes once the daemon stopped reading its blocks."""
+        items = [SaveItem(s.req_id, s.block_hashes, s.block_ids, s.num_tokens, s.saved_tokens) for s in specs]
         try:
-            job = self._client.save(spec.block_hashes, spec.block_ids, spec.num_tokens, saved_tokens=spec.saved_tokens)
-        except SidecarError as error:
-            log.warning("kvsidecar save for request %s refused: %s", spec.req_id, error)
-            done.set_result(None)
-            return done
+            jobs = self._client.save_batch(items)
+        except BaseException as error:
+            # Refused before anything was sent: no block is read. A bug still surfaces, with the blocks freed.
+            for future in done.values():
+                future.set_result(None)
+            if not isinstance(error, SidecarError):
+                raise
+            log.warning("kvsidecar saves of %d requests refused: %s", len(specs), error)
+            return
+        for req_id, job in jobs.items():
+            job.add_done_callback(functools.partial(_save_finished, req_id, done[req_id]))
 
-        def finished(_: Any) -> None:
-            error = job.exception()
-            if error is not None:
-                # A failed save is a future cache miss, never a wrong answer: the daemon stopped reading.
-                log.warning("kvsidecar save for request %s failed: %s", spec.req_id, error)
-            done.set_result(None)
-
-        job.add_done_callback(finished)
-        return done
-
-    def _send_save_after(self, spec: SaveSpec, event: Any) -> None:
-        event.synchronize()  # the step's kernels have written the KV the daemon is about to read
-        self._send_save(spec).result()
+    def _send_saves_after(
+        self, specs: Sequence[SaveSpec], done: Mapping[str, concurrent.futures.Future[Any]], event: Any
+    ) -> None:
+        try:
+            event.synchronize()  # the step's kernels have written the KV the daemon is about to read
+        except BaseException:
+            for future in done.values():
+                future.set_result(None)  # nothing was sent: the daemon reads none of these blocks
+            raise
+        self._send_saves(specs, done)
+        concurrent.futures.wait(list(done.values()))  # one thread keeps the steps' saves in order
 
     def _cuda_event(self) -> Any:
         if not self._cuda:
@@ -238,3 +267,27 @@ class WorkerSide:
         self._load_pool.shutdown(wait=True)
         self._cuda_pool.shutdown(wait=True)
         self._client.close()
+
+
+def _save_finished(req_id: str, done: concurrent.futures.Future[Any], job: SaveJob) -> None:
+    error = job.exception()
+    if error is not None:
+        # A failed save is a future cache miss, never a wrong answer: the daemon stopped reading.
+        log.warning("kvsidecar save for request %s failed: %s", req_id, error)
+    done.set_result(None)
+
+
+def _settle(
+    futures: Mapping[str, concurrent.futures.Future[set[int]]],
+    fn: Callable[..., Mapping[str, set[int]]],
+    *args: Any,
+) -> None:
+    """Complete every future from fn's answer; a crash completes them with it (their requests then recompute)."""
+    try:
+        answer = fn(*args)
+    except BaseException as error:
+        for future in futures.values():
+            future.set_exception(error)
+        raise
+    for req_id, future in futures.items():
+        future.set_result(answer[req_id])

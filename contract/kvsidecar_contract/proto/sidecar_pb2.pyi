@@ -323,6 +323,78 @@ class LoadResponse(_message.Message):
     failures: _containers.RepeatedCompositeFieldContainer[FailedBlock]
     def __init__(self, loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ...) -> None: ...
 
+class ItemError(_message.Message):
+    __slots__ = ("code", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SaveItem(_message.Message):
+    __slots__ = ("name", "request")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    request: SaveRequest
+    def __init__(self, name: _Optional[str] = ..., request: _Optional[_Union[SaveRequest, _Mapping]] = ...) -> None: ...
+
+class SaveBatchRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[SaveItem]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SaveItem, _Mapping]]] = ...) -> None: ...
+
+class SaveItemResult(_message.Message):
+    __slots__ = ("name", "response", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    response: SaveResponse
+    error: ItemError
+    def __init__(self, name: _Optional[str] = ..., response: _Optional[_Union[SaveResponse, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class SaveBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SaveItemResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SaveItemResult, _Mapping]]] = ...) -> None: ...
+
+class LoadItem(_message.Message):
+    __slots__ = ("name", "request")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    request: LoadRequest
+    def __init__(self, name: _Optional[str] = ..., request: _Optional[_Union[LoadRequest, _Mapping]] = ...) -> None: ...
+
+class LoadBatchRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[LoadItem]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[LoadItem, _Mapping]]] = ...) -> None: ...
+
+class LoadItemResult(_message.Message):
+    __slots__ = ("name", "response", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    response: LoadResponse
+    error: ItemError
+    def __init__(self, name: _Optional[str] = ..., response: _Optional[_Union[LoadResponse, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class LoadBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LoadItemResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[LoadItemResult, _Mapping]]] = ...) -> None: ...
+
 class ResetRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

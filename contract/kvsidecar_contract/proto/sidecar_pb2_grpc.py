@@ -69,6 +69,16 @@ class SidecarStub:
                 request_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.SaveBatch = channel.unary_unary(
+                '/kvsidecar.v1.Sidecar/SaveBatch',
+                request_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.SaveBatchRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.SaveBatchResponse.FromString,
+                _registered_method=True)
+        self.LoadBatch = channel.unary_unary(
+                '/kvsidecar.v1.Sidecar/LoadBatch',
+                request_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadBatchRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadBatchResponse.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/kvsidecar.v1.Sidecar/Reset',
                 request_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.ResetRequest.SerializeToString,
@@ -138,6 +148,27 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveBatch(self, request, context):
+        """Many Saves of one session in one call: an engine step's saves (one item per request), answered item by item.
+        Each item is checked and planned as its own Save would be, so a bad item gets its own code and reason in its
+        result and the others go on; the daemon then writes every item's blocks in one store batch. The whole call
+        fails, with the status a Save would get, for an unknown session (NOT_FOUND), a malformed batch (too many items,
+        hashes or block ids together, repeated names: INVALID_ARGUMENT), a session that may not save (no memory:
+        FAILED_PRECONDITION; a scheduler: PERMISSION_DENIED) and a daemon shutting down (UNAVAILABLE).
+        The call's deadline is every item's deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadBatch(self, request, context):
+        """Many Loads of one session in one call (an engine step's loads), answered item by item and refused as a whole
+        exactly as SaveBatch is; every item's blocks are read in one store batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reset(self, request, context):
         """Removes every stored block of the session's model under its cache prefix.
         """
@@ -189,6 +220,16 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadResponse.SerializeToString,
+            ),
+            'SaveBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveBatch,
+                    request_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.SaveBatchRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.SaveBatchResponse.SerializeToString,
+            ),
+            'LoadBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadBatch,
+                    request_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadBatchRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.LoadBatchResponse.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
@@ -390,6 +431,60 @@ class Sidecar:
             '/kvsidecar.v1.Sidecar/Load',
             kvsidecar_dot_v1_dot_sidecar__pb2.LoadRequest.SerializeToString,
             kvsidecar_dot_v1_dot_sidecar__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.Sidecar/SaveBatch',
+            kvsidecar_dot_v1_dot_sidecar__pb2.SaveBatchRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_sidecar__pb2.SaveBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.Sidecar/LoadBatch',
+            kvsidecar_dot_v1_dot_sidecar__pb2.LoadBatchRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_sidecar__pb2.LoadBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

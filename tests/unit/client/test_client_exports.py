@@ -16,12 +16,14 @@ PUBLIC = [
     "GroupSpec",
     "Hit",
     "InvalidRequest",
+    "LoadItem",
     "LoadResult",
     "NO_BLOCK",
     "PermissionDenied",
     "PreconditionFailed",
     "Registration",
     "ResourceExhausted",
+    "SaveItem",
     "SaveJob",
     "SaveResult",
     "SessionInfo",
@@ -45,7 +47,8 @@ def test_every_public_name_is_exported_and_defined_in_the_package():
     public = {name for name in dir(kvsidecar_client) if not name.startswith("_")}
     # Submodules appear once imported (vllm among them: its pure plan module is tested without vLLM).
     modules = {
-        "allocation", "client", "deadlines", "errors", "jobs", "layout", "memory", "proto", "results", "session", "vllm"
+        "allocation", "batch", "client", "deadlines", "errors", "jobs", "layout", "memory", "proto", "results",
+        "saves", "session", "vllm",
     }  # fmt: skip
     assert public - modules == set(PUBLIC)
     assert all(isinstance(getattr(kvsidecar_client, name), types.ModuleType) for name in public & modules)
