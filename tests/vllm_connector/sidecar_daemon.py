@@ -25,6 +25,8 @@ from kvsidecar.testing.mooncake_env import MooncakeEnv  # noqa: E402
 
 __all__ = ["Daemon", "daemon_python"]
 
+STATUS_TRIES = 3
+
 
 def daemon_python() -> Path:
     """The interpreter with the daemon installed: the main venv's, or $KVSIDECAR_PYTHON."""
@@ -49,9 +51,16 @@ class Daemon(processes.Daemon):
 
     def counters(self) -> dict[str, float]:
         """The daemon's Prometheus counters, as `kvsidecar status --json` prints them."""
-        out = self.status()
-        assert out.stdout, f"kvsidecar status answered nothing ({out.returncode}): {out.stderr[-2000:]}"
-        return dict(json.loads(out.stdout)["counters"])
+        # A new connection is what `status` makes each time; with two vLLM CPU ranks, the test and other work on two
+        # cores, one connection attempt was seen to time out before the daemon's SETTINGS frame (grpc's 20 s connect
+        # timeout) while the daemon served its sessions. Asked again, not forever: a daemon that never answers fails.
+        tries = []
+        for _ in range(STATUS_TRIES):
+            out = self.status()
+            tries.append(f"({out.returncode}) {out.stdout[-500:]} {out.stderr[-1000:]}")
+            if out.stdout.startswith("{"):  # --json printed an answer (exit 0 or 1); else no daemon answered
+                return dict(json.loads(out.stdout)["counters"])
+        raise AssertionError(f"kvsidecar status answered no counters in {STATUS_TRIES} tries: {tries}")
 
     def remove_keys(self, keys: list[str]) -> None:
         """Remove values from the store behind the daemon's back (a Mooncake client of its own, in the daemon's
