@@ -61,8 +61,8 @@ def load_average() -> list[float]:
         return []
 
 
-def describe_machine() -> dict[str, object]:
-    """Everything the report says about where it ran."""
+def describe_machine(device: str = "cpu") -> dict[str, object]:
+    """Everything the report says about where it ran (with the GPU, for `--device cuda`)."""
     versions = {}
     for name in _PACKAGES:
         try:
@@ -79,7 +79,13 @@ def describe_machine() -> dict[str, object]:
         torch_threads = torch.get_num_threads()
     except ImportError:  # pragma: no cover - torch is a dependency
         torch_threads = 0
+    extra: dict[str, object] = {}
+    if device == "cuda":
+        from kvsidecar_bench.device import describe_gpu
+
+        extra["gpu"] = describe_gpu()
     return {
+        **extra,
         "cpu": _cpu_model(),
         "cores": os.cpu_count() or 0,
         "usable_cores": usable,

@@ -198,6 +198,8 @@ class InProcessPath(_BatchPath):
         self._registered: list[int] = []
 
     def _memory_for(self, shape: ModelShape, memory: EngineMemory) -> EngineMemory:
+        # The same call for GPU memory (--device cuda): Mooncake's CUDA build finds a device pointer's location
+        # itself (cudaPointerGetAttributes) and its TCP transport stages device memory through cudaMemcpy.
         for base, size in memory.buffers():
             self.client.register(base, size)
         self._registered = list(memory.bases)

@@ -144,17 +144,30 @@ class DaemonPath:
 
 
 class MemcpyPath:
-    """The physical limit: the same bytes copied by one core, one contiguous copy per tensor (torch), and back."""
+    """The physical limit: the same bytes copied by one core, one contiguous copy per tensor (torch), and back.
+
+    With `device="cuda"` the engine memory is on the GPU and each copy is a synchronous device-to-host cudaMemcpy
+    (torch's copy_ into pinned host memory, then torch.cuda.synchronize() inside the timed region), host-to-device
+    on load; a cold save copies into freshly mapped pageable pages, as a store's cold segment is.
+    """
 
     name = "memcpy"
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, device: str = "cpu") -> None:
         import torch
 
-        # Warm: touched once here, like segment memory that has been written before.
-        self._warm = torch.empty(max_bytes, dtype=torch.uint8)
+        self._cuda = device == "cuda"
+        # Warm: touched once here, like segment memory that has been written before; pinned for a GPU, so the copy
+        # is one DMA transfer (cudaMemcpy from pageable memory is staged through a driver buffer).
+        self._warm = torch.empty(max_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         self._warm.fill_(0)
         self.memory: EngineMemory | None = None
+
+    def _sync(self) -> None:
+        if self._cuda:
+            import torch
+
+            torch.cuda.synchronize()
 
     def begin(self, shape: ModelShape, memory: EngineMemory) -> None:
         self.memory = memory
@@ -184,7 +197,8 @@ class MemcpyPath:
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         for r, tensor in enumerate(memory.tensors):
-            staging[r].copy_(self._blocks(tensor, first, n))
+            staging[r].copy_(self._blocks(tensor, first, n), non_blocking=False)
+        self._sync()
         timing = Timing(time.perf_counter() - t0, time.process_time() - cpu0)
         if area is not None:
             del staging
@@ -199,7 +213,8 @@ class MemcpyPath:
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         for r, tensor in enumerate(memory.tensors):
-            self._blocks(tensor, first, n).copy_(staging[r])
+            self._blocks(tensor, first, n).copy_(staging[r], non_blocking=False)
+        self._sync()
         return Timing(time.perf_counter() - t0, time.process_time() - cpu0)
 
     def clear(self) -> None:

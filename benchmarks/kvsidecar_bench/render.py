@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvsidecar_bench.report import OP_TITLES, PATH_TITLES, rate
+from kvsidecar_bench.report import OP_TITLES, path_titles, rate
 from kvsidecar_bench.stats import ratio
 
 __all__ = ["plot_throughput", "render_markdown"]
@@ -42,6 +42,7 @@ def render_markdown(doc: dict[str, Any], *, plot: str | None = None) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['memory_gib']} GiB, "
         f"Linux {m['kernel']}, Python {m['python']}, torch threads {m['torch_threads']}, "
         f"transparent huge pages `{m['transparent_hugepages']}`.  ",
+        *_gpu_line(m),
         "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".  ",
         f"Load average at start {m['load_average_at_start']}, at end {m.get('load_average_at_end', [])}: "
         "the machine is shared, so compare paths within this run (they were measured side by side, interleaved) "
@@ -72,12 +73,23 @@ def render_markdown(doc: dict[str, Any], *, plot: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _gpu_line(machine: dict[str, Any]) -> list[str]:
+    gpu = machine.get("gpu")
+    if not gpu:
+        return []
+    return [
+        f"GPU (cuda:0 of {gpu['count']}): {gpu['name']}, {gpu['memory_gib']} GiB, compute capability "
+        f"{gpu['capability']}, driver {gpu['driver']}, CUDA {gpu['cuda']} (torch).  "
+    ]
+
+
 def _throughput_md(doc: dict[str, Any], plot: str | None) -> list[str]:
     if not doc["throughput"]:
         return []
     paths = doc["paths"]
     lines = ["## 1. Save and load throughput (GiB/s, median of rounds)", ""]
-    lines += [f"- **{p}**: {PATH_TITLES.get(p, p)}" for p in paths] + [""]
+    titles = path_titles(doc)
+    lines += [f"- **{p}**: {titles.get(p, p)}" for p in paths] + [""]
     for shape in doc["throughput"]:
         rows = []
         for op in ("save", "save_cold", "load"):

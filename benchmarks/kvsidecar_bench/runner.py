@@ -18,6 +18,7 @@ from typing import Any
 from kvsidecar.testing.mooncake_env import MooncakeEnv
 from kvsidecar.testing.processes import Daemon, ProcessError, StorageNode
 from kvsidecar_bench import lookup, scaling, step, throughput, volume
+from kvsidecar_bench.device import check_device
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import describe_machine, load_average, process_stats, wait_rss_settled
 from kvsidecar_bench.mooncake_direct import InProcessPath, RealClientPath
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = from_args(args)
         _check_capacity(settings, [SHAPES[name] for name in settings.shapes])
+        check_device(settings.device)  # before any process starts: a CPU-only setup fails here, at once
     except (ValueError, BenchError) as exc:
         print(f"kvsidecar bench: error: {exc}", file=sys.stderr)
         return 2
@@ -112,7 +114,7 @@ def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: Moo
     """Every selected section, with the processes they need, all stopped before returning."""
     from kvsidecar.master import EmbeddedMaster
 
-    machine = describe_machine()
+    machine = describe_machine(settings.device)
     started = time.monotonic()
     nonce = secrets.token_hex(4)
     sections = settings.sections
@@ -153,8 +155,9 @@ def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: Moo
             if real is not None:
                 paths.append(real)
             top = max([*settings.blocks, settings.cold_blocks])
-            paths.append(MemcpyPath(top * max(s.value_bytes for s in shapes)))
+            paths.append(MemcpyPath(top * max(s.value_bytes for s in shapes), settings.device))
         results.paths = [p.name for p in paths]
+        _device_notes(settings, results)
         progress.step("ready")
 
         if want_throughput:
@@ -168,6 +171,7 @@ def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: Moo
                 settings.cold_rounds,
                 progress,
                 nonce,
+                settings.device,
             )
         if "step" in sections:
             progress.section("one engine step: batched against separate calls")
@@ -222,6 +226,13 @@ def _real_client_path(
     if not settings.real_client:
         results.notes.append("The real-client path was skipped (--no-real-client).")
         return None
+    if settings.device == "cuda":
+        results.notes.append(
+            "The real-client path was skipped (--device cuda): a dummy client hands mooncake_client only buffers of "
+            "its shared-memory pool in host memory, so it cannot move the same GPU buffers."
+        )
+        progress.note("real-client path skipped: it cannot read GPU memory")
+        return None
     if StorageNode.binary() is None:
         results.notes.append("The real-client path was skipped: this Mooncake wheel ships no mooncake_client.")
         progress.note("real-client path skipped: no mooncake_client in this wheel")
@@ -242,6 +253,25 @@ def _real_client_path(
         return None
     stack.callback(path.close)
     return path
+
+
+def _device_notes(settings: Settings, results: Results) -> None:
+    if settings.device != "cuda":
+        return
+    gpu = results.machine.get("gpu", {})
+    name = gpu.get("name", "cuda:0") if isinstance(gpu, dict) else "cuda:0"
+    if "throughput" in settings.sections:
+        results.notes.append(
+            f"--device cuda: the data-path section's KV cache is on cuda:0 ({name}); the daemon maps it over CUDA "
+            "IPC, in-process Mooncake registers the same device buffers, memcpy is a synchronized device-to-host "
+            "copy into pinned host memory (host-to-device on load); loaded bytes are compared on the GPU."
+        )
+    cpu_only = [s for s in ("step", "scaling", "volume") if s in settings.sections]
+    if cpu_only:
+        results.notes.append(
+            f"--device cuda: {', '.join(cpu_only)} ran on CPU shared memory as without it (they measure the RPC "
+            "count, rank concurrency and write volume, not the copy); lookup moves no KV-cache bytes."
+        )
 
 
 def report(results: Results) -> None:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from kvsidecar_bench.shapes import SHAPES
 
-__all__ = ["DEFAULT_OUT", "SECTIONS", "Settings", "add_arguments"]
+__all__ = ["DEFAULT_OUT", "DEVICES", "SECTIONS", "Settings", "add_arguments"]
 
 SECTIONS = ("throughput", "step", "lookup", "scaling", "volume")
+DEVICES = ("cpu", "cuda")  # where the data-path section's KV cache lives
 DEFAULT_OUT = "docs/benchmarks"
 MiB = 1 << 20
 
@@ -40,6 +41,7 @@ class Settings:
     real_client: bool = True
     out: str = DEFAULT_OUT
     progress: bool = True
+    device: str = "cpu"
 
 
 QUICK = Settings(
@@ -124,6 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--segment-size", type=_size, help="Mooncake segment of each path (default 1GiB; --quick 512MiB)"
     )
     parser.add_argument("--no-real-client", action="store_true", help="skip Mooncake's mooncake_client path")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="where the data-path section's KV cache lives: cpu (shared memory, default) or cuda (cuda:0, mapped by "
+        "the daemon over CUDA IPC; needs a CUDA torch and Mooncake's CUDA build)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

@@ -148,8 +148,9 @@ class Request(NamedTuple):
 class EngineMemory:
     """A rank's KV-cache tensors, filled with a per-rank byte pattern; the daemon maps them, Mooncake reads them.
 
-    `tensors` are any CPU tensors whose dim 0 indexes blocks (shared memory for the daemon path, a Mooncake memory
-    pool for the real-client path); every address the bench hands to a store comes from `addresses`.
+    `tensors` are any tensors whose dim 0 indexes blocks (shared memory for the daemon path, a Mooncake memory pool
+    for the real-client path, cuda:0 for `--device cuda`); every address the bench hands to a store comes from
+    `addresses`.
     """
 
     def __init__(self, shape: ModelShape, tensors: Sequence[torch.Tensor]) -> None:
@@ -172,6 +173,28 @@ class EngineMemory:
         memory = cls(shape, tensors)
         memory.fill(seed)
         return memory
+
+    @classmethod
+    def allocate(cls, shape: ModelShape, num_blocks: int, seed: int, device: str) -> EngineMemory:
+        """Tensors the daemon can map on `device`: shared memory (cpu) or caching-allocator memory on cuda:0, which
+        the client describes to the daemon as CUDA IPC handles (as vLLM's KV cache)."""
+        if device == "cpu":
+            return cls.shared(shape, num_blocks, seed)
+        import torch
+
+        tensors = [
+            torch.empty((num_blocks, BLOCK_TOKENS, *shape.token_dims), dtype=torch.bfloat16, device="cuda:0")
+            for _ in range(shape.regions)
+        ]
+        memory = cls(shape, tensors)
+        memory.fill(seed)
+        torch.cuda.synchronize()  # the fill is queued on the stream; the daemon's Mooncake reads the memory directly
+        return memory
+
+    @property
+    def device(self) -> str:
+        """`cpu` or `cuda`: where the tensors live."""
+        return str(self.tensors[0].device.type)
 
     @classmethod
     def at(cls, shape: ModelShape, num_blocks: int, address: int) -> EngineMemory:
@@ -217,9 +240,13 @@ class EngineMemory:
         """Zero some blocks (so a load that moved nothing is caught by `same_blocks`)."""
         for tensor in self.tensors:
             tensor[block_ids[0] : block_ids[-1] + 1].zero_()
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()  # zeroed before a store (another process, or Mooncake's copy) writes them
 
     def same_blocks(self, a: Sequence[int], b: Sequence[int]) -> bool:
-        """Whether blocks `a` and `b` (contiguous runs) hold the same bytes in every tensor."""
+        """Whether blocks `a` and `b` (contiguous runs) hold the same bytes in every tensor (compared on its device)."""
         import torch
 
         return all(

@@ -4,7 +4,8 @@ First every shape's cold phase: distinct requests saved without clearing, so a s
 never written before and pays its first-touch page faults (memcpy copies into freshly mapped pages). Then per shape
 one correctness round (every path's loaded bytes must equal the saved ones) and, for each block count, warm rounds:
 the same request saved, loaded and cleared every round, so segment memory is reused. Within a round the paths take
-turns, in an order that rotates every round.
+turns, in an order that rotates every round. With `device="cuda"` the engine memory is on cuda:0 (every path moves
+the same GPU buffers) and the byte checks compare on the GPU.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def measure(
     cold_rounds: int,
     progress: Progress,
     nonce: str,
+    device: str = "cpu",
 ) -> list[ShapeResult]:
     """Every shape's cold phase first (fresh segment memory for all of them), then every shape's warm phase."""
     top = max([*blocks, cold_blocks])
     out = [ShapeResult(shape) for shape in shapes]
     for result in out:
         shape = result.shape
-        with _begun(paths, shape, EngineMemory.shared(shape, 2 * top, seed=1)):
+        with _begun(paths, shape, EngineMemory.allocate(shape, 2 * top, 1, device)):
             for r in range(cold_rounds):
                 request = Request.of(shape, f"{nonce}/{shape.name}/cold/{r}", cold_blocks, top)
                 for path in rotated(paths, r):
@@ -90,7 +92,7 @@ def measure(
                 progress.step(f"{shape.name} cold segment, {cold_blocks} blocks, round {r + 1}/{cold_rounds}")
     for result in out:
         shape = result.shape
-        memory = EngineMemory.shared(shape, 2 * top, seed=2)
+        memory = EngineMemory.allocate(shape, 2 * top, 2, device)
         with _begun(paths, shape, memory):
             for path in paths:
                 path.clear()  # this shape's cold values
