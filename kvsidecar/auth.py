@@ -6,7 +6,7 @@ import hmac
 import logging
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ def server_credentials(config: Config) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses every call without `authorization: Bearer <token>` of a known token (health checks excepted).
 
     Tokens are kept as SHA-256 hashes (`hash_token`): the --token-file token and every tenant's, asked for at each
@@ -68,12 +68,12 @@ class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]
         self._more = more
         self._on_refused = on_refused
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
         method: str = details.method
         if handler is None or method.startswith(UNAUTHENTICATED_METHODS):
             return handler
@@ -92,8 +92,8 @@ class TokenAuth(grpc.ServerInterceptor):  # type: ignore[misc]
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     reason = "missing or wrong bearer token: send `authorization: Bearer <token>`"
 
-    def refuse(request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_unary:

@@ -200,7 +200,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("replicas", int, "replicas of every stored block (default 1)"),
     ("session_ttl", float, "seconds a session lives without a KeepAlive before its memory is released (default 10)"),
     ("max_message_bytes", parse_size, "largest gRPC message accepted or sent (default 64MiB)"),
-    ("workers", int, "saves, loads, resets and session closes running at once (default 8)"),
+    ("workers", int, "threads running saves and loads off the event loop (default 8)"),
     ("log_level", str, "debug, info, warning or error (default info)"),
     (
         "ssd_dir",

@@ -1,6 +1,6 @@
 """Save, lookup, load and reset: placement plans carried out against the store and engine memory.
 
-Synchronous by design: the service runs these on the gRPC server's threads.
+Synchronous by design: the service runs these in worker threads, off the event loop.
 """
 
 from __future__ import annotations

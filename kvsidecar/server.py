@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
@@ -65,14 +65,13 @@ def claim_socket(path: str) -> None:
     raise DaemonError(f"another daemon is serving on {path}")
 
 
-def _server(service: SidecarService, health: HealthServicer, config: Config, **kw: Any) -> grpc.Server:
+def _server(service: SidecarService, health: health_aio.HealthServicer, config: Config, **kw: Any) -> grpc.aio.Server:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    # Synchronous: each call runs on one of the service's threads from start to reply.
-    server = grpc.server(service.executor, options=options, **kw)
+    server = grpc.aio.server(options=options, **kw)
     server.add_generic_rpc_handlers((wire.sidecar_handlers(service),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
@@ -91,9 +90,9 @@ def _socket_gid(config: Config) -> int | None:
 
 def create_servers(
     service: SidecarService, config: Config, metrics: Metrics
-) -> tuple[list[grpc.Server], HealthServicer, list[str]]:
+) -> tuple[list[grpc.aio.Server], health_aio.HealthServicer, list[str]]:
     """The Unix-socket server and, with --listen, an authenticated TLS one; bound, not started."""
-    health = HealthServicer()
+    health = health_aio.HealthServicer()
     unix = _server(service, health, config)
     claim_socket(config.socket)
     # The socket file appears at bind time; a tight umask keeps it private until its mode is set.
@@ -143,8 +142,8 @@ class Daemon:
         self.addresses: list[str] = []
         self.metrics_url = ""
         self._httpd: Any = None
-        self._servers: list[grpc.Server] = []
-        self._health: HealthServicer | None = None
+        self._servers: list[grpc.aio.Server] = []
+        self._health: health_aio.HealthServicer | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self.service: SidecarService | None = None
         self.side: SideChannel | None = None
@@ -210,7 +209,7 @@ class Daemon:
         self.side.bind(cfg.socket_mode, _socket_gid(cfg))
         self.side.start()
         for server in self._servers:
-            server.start()
+            await server.start()
         if self.fence is not None:
             self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics, self.service)
         await self._check_store()
@@ -285,9 +284,9 @@ class Daemon:
         self.metrics.store_healthy.set(1 if health.healthy else 0)
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        self._health.set("", serving)
+        await self._health.set("", serving)
         # The Sidecar service answers even when the store is down (lookups miss); its health says so.
-        self._health.set(SERVICE_NAME, serving if health.healthy else not_serving)
+        await self._health.set(SERVICE_NAME, serving if health.healthy else not_serving)
 
     async def _housekeep(self) -> None:
         assert self.service is not None
@@ -347,15 +346,13 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeping
         if self._health is not None:
-            self._health.enter_graceful_shutdown()
+            await self._health.enter_graceful_shutdown()
         if self.service is not None:
             self.service.stop_accepting()
-        loop = asyncio.get_running_loop()
-        # Calls in flight get SHUTDOWN_GRACE_S to finish; shutdown_pools below waits for any still running after it.
-        stopped = [server.stop(SHUTDOWN_GRACE_S) for server in self._servers]
-        await loop.run_in_executor(None, lambda: [event.wait() for event in stopped])
+        await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
         if self.side is not None:
-            await loop.run_in_executor(None, self.side.stop)
+            await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
+        loop = asyncio.get_running_loop()
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)
             await loop.run_in_executor(None, self.service.shutdown_pools)

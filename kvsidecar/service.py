@@ -1,14 +1,12 @@
-"""The gRPC servicer: unpack (wire), call the data path or the sessions, reply (wire).
+"""The gRPC servicer: unpack (wire), call the data path or the sessions off the event loop, reply (wire).
 
-Methods run on the synchronous gRPC server's own threads, no hop to another pool (measured through the client: a
-null Save costs 0.59 instead of 0.79 ms of CPU on grpc.aio with worker pools, docs/benchmarks/perf-changes.md).
 Failures become statuses in one place (statuses.py), raised with context.abort.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,29 +28,9 @@ from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LOOKUP_SLOTS = 2  # lookups and session calls running at once (the scheduler's critical path; mostly master calls)
-# A call waiting for its slot holds a server thread, so there are many more threads than slots: a lookup finds one
-# free even behind every save 8 ranks can have in flight (8 save threads per client). Threads start on demand and an
-# idle one costs only memory.
-THREADS_PER_SLOT = 4
-SPARE_THREADS = 64
-
-
-class Slots:
-    """At most n calls at once; the others wait, each on its own server thread."""
-
-    def __init__(self, n: int) -> None:
-        self._free = threading.BoundedSemaphore(n)
-
-    def __enter__(self) -> None:
-        self._free.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._free.release()
-
 
 class SidecarService(pb_grpc.SidecarServicer):
-    """kvsidecar.v1.Sidecar over a data path and a session registry, run by the server threads in `executor`."""
+    """kvsidecar.v1.Sidecar over a data path, a session registry and two thread pools."""
 
     def __init__(
         self,
@@ -73,19 +51,13 @@ class SidecarService(pb_grpc.SidecarServicer):
         self.metrics = metrics
         self.master_address = master_address
         self._store_health = store_health or datapath.store.health
-        # KeepAlive and Stats answer from this, refreshed by the daemon's housekeeping: asking a slow master at
-        # every keep-alive would hold threads every tenant's requests need.
+        # KeepAlive and Stats answer from this, refreshed by the daemon's housekeeping: asking a slow master on
+        # the event loop would stall every tenant's requests.
         self.health = StoreHealth(False, "not checked yet")
         self._started = time.monotonic()
-        # Lookups are on the scheduler's critical path: they never queue behind a big save or load. Saves and loads
-        # take one of `workers` data slots, lookups and session calls one of their own; both wait on server threads.
-        self._data_slots = Slots(workers)
-        self._lookup_slots = Slots(LOOKUP_SLOTS)
-        threads = THREADS_PER_SLOT * (workers + LOOKUP_SLOTS) + SPARE_THREADS
-        # The gRPC servers (Unix socket and TCP) share these threads: one budget for the whole daemon.
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvsidecar-grpc")
-        self._running = 0
-        self._idle = threading.Condition()
+        # Lookups are on the scheduler's critical path: they never queue behind a big save or load.
+        self._data_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data")
+        self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvsidecar-lookup")
         self._stopping = False
         # The daemon's listeners and the packets each refused (set by the daemon's fence; none in tests).
         self.listener_report: Callable[[], list[tuple[Any, int]]] = list
@@ -95,17 +67,16 @@ class SidecarService(pb_grpc.SidecarServicer):
         self._stopping = True
 
     def shutdown_pools(self) -> None:
-        """Wait for running calls to finish (a server stopped past its grace leaves them running), then the threads."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._running == 0)
-        self.executor.shutdown(wait=True)
+        """Wait for running store calls to finish."""
+        self._data_pool.shutdown(wait=True)
+        self._lookup_pool.shutdown(wait=True)
 
     def refresh_health(self) -> StoreHealth:
-        """Ask the store how it is (blocking; the daemon's housekeeping does it once a second)."""
+        """Ask the store how it is (blocking; the daemon does it once a second off the event loop)."""
         self.health = self._store_health()
         return self.health
 
-    def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
         caller = self.tenancy.caller(context)
 
         def run() -> pb.OpenSessionResponse:
@@ -127,32 +98,32 @@ class SidecarService(pb_grpc.SidecarServicer):
             secret = session.side_secret if self._side_socket and caller.uid is not None else b""
             return wire.open_response(session.id, self.sessions.ttl, session.geometry, secret, tenant)
 
-        return self._call(context, "OpenSession", self._lookup_slots, run, request)
+        return await self._call(context, "OpenSession", self._lookup_pool, run, request)
 
-    def RegisterMemory(self, request: pb.RegisterMemoryRequest, context: Any) -> pb.RegisterMemoryResponse:
+    async def RegisterMemory(self, request: pb.RegisterMemoryRequest, context: Any) -> pb.RegisterMemoryResponse:
         def run() -> pb.RegisterMemoryResponse:
             regions = wire.regions(request.regions)
             with self.sessions.use(request.session_id) as session:
                 memory = self.sessions.attach(session, regions)
             return wire.register_response(memory.mapped_bytes, memory.value_bytes)
 
-        return self._call(context, "RegisterMemory", self._lookup_slots, run, request)
+        return await self._call(context, "RegisterMemory", self._lookup_pool, run, request)
 
-    def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
         def run() -> pb.KeepAliveResponse:
             self.sessions.get(request.session_id)
             return wire.keepalive_response(self.sessions.ttl, self.health.healthy)
 
-        return self._call(context, "KeepAlive", None, run, request)
+        return await self._call(context, "KeepAlive", None, run, request)
 
-    def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
         def run() -> pb.CloseSessionResponse:
             self.sessions.close(request.session_id)
             return wire.close_response()
 
-        return self._call(context, "CloseSession", self._data_slots, run, request)
+        return await self._call(context, "CloseSession", self._data_pool, run, request)
 
-    def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:
+    async def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
 
@@ -162,9 +133,9 @@ class SidecarService(pb_grpc.SidecarServicer):
                 out = self.datapath.save(session, *args, deadline)
             return wire.save_response(out)
 
-        return self._call(context, "Save", self._data_slots, run, request)
+        return await self._call(context, "Save", self._data_pool, run, request)
 
-    def SaveBatch(self, request: pb.SaveBatchRequest, context: Any) -> pb.SaveBatchResponse:
+    async def SaveBatch(self, request: pb.SaveBatchRequest, context: Any) -> pb.SaveBatchResponse:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
 
@@ -179,27 +150,27 @@ class SidecarService(pb_grpc.SidecarServicer):
             results = self._answers("SaveBatch", items, args, outs, pb.SaveItemResult, wire.save_response)
             return pb.SaveBatchResponse(results=results)
 
-        return self._call(context, "SaveBatch", self._data_slots, run, request)
+        return await self._call(context, "SaveBatch", self._data_pool, run, request)
 
-    def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             with self.sessions.use(request.session_id) as session:
                 hashes = wire.hashes(request.block_hashes, session.hash_bytes)
                 out = self.datapath.lookup(session, hashes, request.num_tokens, request.eagle)
             return wire.lookup_response(out)
 
-        return self._call(context, "Lookup", self._lookup_slots, run, request)
+        return await self._call(context, "Lookup", self._lookup_pool, run, request)
 
-    def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
+    async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
         def run() -> pb.LoadResponse:
             with self.sessions.use(request.session_id) as session:
                 args = wire.load_args(request, session.hash_bytes, len(session.layout.groups))
                 out = self.datapath.load(session, *args)
             return wire.load_response(out)
 
-        return self._call(context, "Load", self._data_slots, run, request)
+        return await self._call(context, "Load", self._data_pool, run, request)
 
-    def LoadBatch(self, request: pb.LoadBatchRequest, context: Any) -> pb.LoadBatchResponse:
+    async def LoadBatch(self, request: pb.LoadBatchRequest, context: Any) -> pb.LoadBatchResponse:
         def run() -> pb.LoadBatchResponse:
             with self.sessions.use(request.session_id) as session:
                 items = wire.batch_items(request.items, "LoadBatch")
@@ -211,9 +182,9 @@ class SidecarService(pb_grpc.SidecarServicer):
             results = self._answers("LoadBatch", items, args, outs, pb.LoadItemResult, wire.load_response)
             return pb.LoadBatchResponse(results=results)
 
-        return self._call(context, "LoadBatch", self._data_slots, run, request)
+        return await self._call(context, "LoadBatch", self._data_pool, run, request)
 
-    def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
+    async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         def run() -> pb.ResetResponse:
             with self.sessions.use(request.session_id) as session:
                 # Rights are asked again: a reloaded tenants file may have taken this prefix from the tenant.
@@ -225,9 +196,9 @@ class SidecarService(pb_grpc.SidecarServicer):
                     raise Forbidden(f"Reset refused: {exc}") from None
                 return wire.reset_response(self.datapath.reset(session))
 
-        return self._call(context, "Reset", self._data_slots, run, request)
+        return await self._call(context, "Reset", self._data_pool, run, request)
 
-    def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         caller = self.tenancy.caller(context)
 
         def run() -> pb.StatsResponse:
@@ -259,7 +230,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             )
             return response
 
-        return self._call(context, "Stats", self._lookup_slots, run, request)
+        return await self._call(context, "Stats", self._lookup_pool, run, request)
 
     def _answers(
         self,
@@ -293,19 +264,18 @@ class SidecarService(pb_grpc.SidecarServicer):
             log.debug("%s: an item refused: %s: %s", method, code.name, reason)
         return wire.item_error(code, reason)
 
-    def _call(self, context: Any, method: str, slots: Slots | None, fn: Callable[[], T], request: Any) -> T:
+    async def _call(
+        self, context: Any, method: str, pool: ThreadPoolExecutor | None, fn: Callable[[], T], request: Any
+    ) -> T:
         self.metrics.requests.labels(method).inc()
-        with self._idle:
-            self._running += 1
         try:
             if isinstance(request, wire.Undecodable):
                 raise BadRequest(str(request))
             if self._stopping:
                 raise ShuttingDown("the daemon is shutting down")
-            if slots is None:
+            if pool is None:
                 return fn()
-            with slots:
-                return fn()
+            return await asyncio.get_running_loop().run_in_executor(pool, fn)
         except Exception as exc:
             code, reason = status_of(exc)
             self.metrics.requests_rejected.labels(method, code.name).inc()
@@ -313,13 +283,8 @@ class SidecarService(pb_grpc.SidecarServicer):
                 log.exception("%s failed", method)
             else:
                 log.debug("%s refused: %s: %s", method, code.name, reason)
-            context.abort(code, reason)
+            await context.abort(code, reason)
             raise AssertionError("unreachable: context.abort raises") from exc
-        finally:
-            with self._idle:
-                self._running -= 1
-                if not self._running:
-                    self._idle.notify_all()
 
 
 def _item(convert: Callable[..., T], *args: Any) -> T | Exception:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -200,48 +199,3 @@ def test_no_block_spans_are_absent_from_saves_and_failed_in_loads(daemon, store,
     assert [(f.group, f.block_id, f.reason) for f in loaded.failures] == [(1, no_block, "no_block")]
     assert loaded.loaded == 4
     assert daemon.sample("kvsidecar_load_failed_blocks_total", {"group_kind": "mamba", "reason": "no_block"}) == 1
-
-
-class BlockingPuts(MemoryStore):
-    """Puts wait for `release` (outside the store's lock: existence checks still answer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-        self.entered = threading.Semaphore(0)
-
-    def put_from(self, keys, addresses, sizes):
-        self.entered.release()
-        self.release.wait(60)
-        return super().put_from(keys, addresses, sizes)
-
-
-def test_lookups_answer_while_every_data_slot_waits_on_the_store(tmp_path):
-    """Saves fill every data slot and more queue behind them; a lookup still gets a server thread and answers."""
-    store = BlockingPuts()
-    d = InProcessDaemon(tmp_path, store, workers=2).start()
-    ranks = [
-        RawRank(d.target, open_request([group("full_attention", 16)], model=f"org/M{i}"), block_bytes=BLOCK)
-        for i in range(5)
-    ]
-    saves = [threading.Thread(target=r.save, args=(H[:1], [[0]], 16)) for r in ranks[:4]]
-    try:
-        for r in ranks:
-            r.register()
-        for t in saves:
-            t.start()
-        # Both data slots are inside a put and two more saves wait for one.
-        assert store.entered.acquire(timeout=30) and store.entered.acquire(timeout=30)
-        hit = ranks[4].lookup(H[:1], 17)
-        assert not store.release.is_set() and hit.hit_tokens == 0
-        assert not store.entered.acquire(blocking=False)  # no third save got a slot
-        store.release.set()
-        for t in saves:
-            t.join(30)
-        assert not any(t.is_alive() for t in saves)
-        assert [r.lookup(H[:1], 17).hit_tokens for r in ranks[:4]] == [16] * 4
-    finally:
-        store.release.set()
-        for r in ranks:
-            r.close()
-        d.stop()
