@@ -8,10 +8,8 @@ import pytest
 from kvsidecar import wire
 from kvsidecar.errors import BadRequest
 from kvsidecar.store import StoreCode
-from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar_contract.limits import MAX_BATCH_ITEMS, MAX_HASHES
 from kvsidecar_contract.proto import sidecar_pb2 as pb
-from support.inprocess import InProcessDaemon
 from support.rawrank import RawRank, group, open_request
 
 BLOCK = 1024
@@ -37,18 +35,6 @@ def load_item(name: str, h: list[bytes], ids: list[int], hit: pb.LookupResponse)
         tail_boundaries=list(hit.tail_boundaries),
     )
     return pb.LoadItem(name=name, request=request)
-
-
-@pytest.fixture
-def store():
-    return MemoryStore()
-
-
-@pytest.fixture
-def daemon(tmp_path, store):
-    d = InProcessDaemon(tmp_path, store).start()
-    yield d
-    d.stop()
 
 
 @pytest.fixture

@@ -7,25 +7,12 @@ import time
 import pytest
 
 from kvsidecar.store import StoreCode, StoreUnavailable
-from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.inprocess import InProcessDaemon
 from support.rawrank import RawRank, group, open_request
 
 H = [bytes([i]) * 32 for i in range(1, 9)]
 BLOCK = 1024
-
-
-@pytest.fixture
-def store():
-    return MemoryStore()
-
-
-@pytest.fixture
-def daemon(tmp_path, store):
-    d = InProcessDaemon(tmp_path, store).start()
-    yield d
-    d.stop()
 
 
 @pytest.fixture
