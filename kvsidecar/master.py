@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -51,9 +51,6 @@ _POLL_INTERVAL_S = 0.05
 _START_ATTEMPTS = 3
 
 log = logging.getLogger(__name__)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 class MasterError(RuntimeError):
@@ -127,17 +124,43 @@ def _file_tail(path: Path) -> list[str]:
         return []
 
 
-def _terminate_with_parent() -> None:
-    """In the child, before exec: have the kernel send SIGTERM when the thread that started it exits.
+# Run in a fresh interpreter between the daemon and mooncake_master, so that nothing runs in the daemon's forked child
+# before exec: a preexec_fn would, and in a process with gRPC and Mooncake threads that child runs gRPC's fork
+# handlers (they wrote into the master's output) and can deadlock on a lock another thread held at the fork (dlopen's,
+# malloc's). It asks the kernel for SIGTERM when the thread that started it exits (Linux's PR_SET_PDEATHSIG, kept
+# across exec; elsewhere the daemon's own stop() is the only way the master ends), gives up if that thread's process
+# is already gone, then becomes the master. An exec that fails is written to the pipe, closed on a successful exec.
+_EXEC_WITH_PARENT = """
+import ctypes, os, signal, sys
+report, parent, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != parent:
+    sys.exit(0)
+os.set_inheritable(report, False)
+try:
+    os.execv(argv[0], argv)
+except OSError as exc:
+    os.write(report, str(exc).encode())
+    sys.exit(127)
+"""
 
-    Linux only (prctl PR_SET_PDEATHSIG); elsewhere the daemon's own stop() is the only way it ends. The signal is
-    tied to the forking thread, so start the master from a thread that lives as long as the daemon.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+
+def _exec_failure(fd: int, timeout: float) -> str:
+    """What the launcher wrote to its report pipe before it closed: empty when the master's exec succeeded."""
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 class EmbeddedMaster:
@@ -298,29 +321,41 @@ class EmbeddedMaster:
 
     def _spawn(self, binary: Path, env: dict[str, str]) -> None:
         output: int | IO[bytes]
+        report, report_w = os.pipe()
         try:
             if self._log_path is not None:
                 self._log_file = self._log_path.open("ab")
                 output = self._log_file
             else:
                 output = subprocess.PIPE
+            launcher = [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PARENT, str(report_w), str(os.getpid())]
             self._proc = subprocess.Popen(
-                self._command(binary),
+                [*launcher, *self._command(binary)],
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=env,
+                pass_fds=(report_w,),
                 # Its own session: a Ctrl-C meant for the daemon must not stop the master before the daemon has
-                # closed its store (closing with the master gone takes 10-15 s); the daemon stops it last.
+                # closed its store (closing with the master gone takes 10-15 s); the daemon stops it last. A daemon
+                # killed outright still takes it along (the launcher's parent-death signal).
                 start_new_session=True,
-                # ...but a daemon killed outright must not leave its master behind.
-                preexec_fn=_terminate_with_parent,
             )
         except OSError as exc:
+            os.close(report)
             self._terminate(0)
             raise MasterError(f"cannot run {binary}: {exc}") from exc
+        finally:
+            os.close(report_w)
+        try:
+            failure = _exec_failure(report, self._ready_timeout_s)
+        finally:
+            os.close(report)
         if self._proc.stdout is not None:
             self._output = _OutputTail(self._proc.stdout)
+        if failure:
+            self._terminate(DEFAULT_STOP_TIMEOUT_S)
+            raise MasterError(f"cannot run {binary}: {failure}")
         log.info("started mooncake_master PID %d on %s", self._proc.pid, self.address)
 
     def _wait_ready(self) -> None:
