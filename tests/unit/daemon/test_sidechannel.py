@@ -104,6 +104,25 @@ def test_an_unsealed_memfd_is_sealed_by_the_daemon_and_an_unsealable_one_refused
             os.close(fd)
 
 
+def test_a_sparse_memfd_is_backed_at_registration_and_a_backed_one_is_not_walked_again(side, monkeypatch):
+    channel, reg, _ = side
+    calls = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, size: calls.append(size) or real(fd, offset, size))
+    for backed in (False, True):
+        s = mine(reg)
+        fd = memfd(seal=False)
+        if backed:
+            real(fd, 0, SIZE)  # as the client's shared_tensor does before sealing
+        try:
+            ask(channel.path, {"op": "fds", "session": s.id, "secret": s.side_secret.hex()}, [fd])
+            reg.attach(s, [region(MemfdHandle(0))])
+            assert os.fstat(fd).st_blocks * 512 >= SIZE  # every page allocated either way
+            assert calls == [SIZE]  # by the daemon for the sparse one only
+        finally:
+            os.close(fd)
+
+
 def test_hostile_side_requests_are_refused_with_reasons(side, tmp_path):
     channel, reg, _ = side
     s = mine(reg)
