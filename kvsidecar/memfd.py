@@ -10,11 +10,11 @@ import stat
 
 from kvsidecar.errors import BadRequest
 
-__all__ = ["MemfdMapping"]
+__all__ = ["MemfdMapping", "fully_backed"]
 
 
-def _backed(fd: int) -> bool:
-    """Whether every page of the file is allocated (a memfd's blocks count its allocated pages)."""
+def fully_backed(fd: int) -> bool:
+    """Whether every page of a tmpfs file (memfd, /dev/shm) is allocated: its blocks count the allocated pages."""
     st = os.fstat(fd)
     return st.st_blocks * 512 >= st.st_size
 
@@ -50,7 +50,7 @@ class MemfdMapping:
             # Backing every page now keeps a later fault on a full memory cgroup out of the transfer. The client
             # backs its memfds before sealing them; walking a backed GiB again is not free (0.1 s idle, and 80-125 s
             # for two 1 GiB caches at once on a loaded 2-core machine, past the rank's RegisterMemory deadline).
-            if not _backed(fd):
+            if not fully_backed(fd):
                 os.posix_fallocate(fd, 0, size)
             # mmap keeps its own duplicate of the descriptor; the session closes the one it was handed.
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden
-from kvsidecar.memfd import MemfdMapping
+from kvsidecar.memfd import MemfdMapping, fully_backed
 from kvsidecar.values import CudaHandle, MemfdHandle, RegionRequest, ShmHandle
 from kvsidecar_contract.limits import MAX_REGIONS
 
@@ -58,8 +58,10 @@ class ShmMapping:
             if size > st.st_size:
                 raise BadRequest(f"shared memory {name!r} has {st.st_size} bytes, region claims {size}")
             # Give every page its backing now: touching a hole of a sparse segment on a full /dev/shm is a SIGBUS.
+            # The client backs its segments when it makes them; a backed one is not walked again (see memfd.py).
             try:
-                os.posix_fallocate(fd, 0, size)
+                if not fully_backed(fd):
+                    os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 raise BadRequest(f"cannot back shared memory {name!r} with {size} bytes: {exc.strerror}") from None
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from functools import partial
 from multiprocessing import shared_memory
@@ -72,6 +73,19 @@ def test_segment_names_cannot_escape_dev_shm(name):
 def test_missing_segment():
     with pytest.raises(BadRequest, match="cannot open shared memory"):
         ShmMapping("kvsidecar-does-not-exist", 4096)
+
+
+def test_a_sparse_segment_is_backed_when_mapped_and_a_backed_one_is_not_walked_again(segment, monkeypatch):
+    # SharedMemory(create=True) only truncates: the segment starts as one hole.
+    path = f"/dev/shm/{segment.name}"
+    assert os.stat(path).st_blocks == 0
+    calls = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, size: calls.append(size) or real(fd, offset, size))
+    for _ in range(2):
+        ShmMapping(segment.name, 8192).close()
+    assert os.stat(path).st_blocks * 512 >= 8192
+    assert calls == [8192]  # the first mapping backed it, the second found it backed
 
 
 def test_block_ids_outside_a_region(segment):
