@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.master import EmbeddedMaster
+from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.testing.mooncake_env import MooncakeEnv
 from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.mooncake_direct import InProcessPath

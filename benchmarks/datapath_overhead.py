@@ -15,13 +15,15 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from kvsidecar import wire
-from kvsidecar.datapath import DataPath
-from kvsidecar.memory import SessionMemory, region_specs
+from kvsidecar.datapath.transfers import DataPath
+from kvsidecar.memory.mappings import Opener
+from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
-from kvsidecar.session import Role, SessionRegistry
+from kvsidecar.rpc import wire
+from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Presence, StoreCode, StoreHealth
 from kvsidecar.store.base import check_batch_shapes
+from kvsidecar.values import LoadArgs, LookupArgs, Role, SaveArgs
 from kvsidecar_bench.lookup import _layout
 from kvsidecar_bench.shapes import GQA, MLA, EngineMemory, Request, hashes_for
 from kvsidecar_client.memory import describe_regions
@@ -41,6 +43,9 @@ class StubStore:
         return [StoreCode.OK] * len(keys)
 
     get_into = put_from
+
+    def tiers(self, keys: Sequence[str]) -> list[str]:
+        return ["memory" if self.present else ""] * len(keys)
 
     def health(self) -> StoreHealth:
         return StoreHealth(True, "stub")
@@ -69,14 +74,15 @@ def main() -> None:
         for n in (32, 128):
             memory = EngineMemory.shared(shape, 2 * n)
             session = sessions.open(Role.RANK, shape.layout("bench/x"), 32, "x")
-            regions = describe_regions([(t, (0,)) for t in memory.tensors])
-            session.memory = SessionMemory(region_specs(wire.regions(regions)), 1)
+            fds: list[int] = []  # the memfds a rank would pass over the side socket, handed over directly here
+            regions = describe_regions([(t, (0,)) for t in memory.tensors], fds)
+            session.memory = SessionMemory(wire.regions(regions), 1, Opener(fds))
             request = Request.of(shape, "overhead", n, n)
             datapath = DataPath(StubStore(False), Metrics())
             ids, tokens = [request.save_ids], request.num_tokens
-            save = median_ms(partial(datapath.save, session, request.hashes, ids, tokens, 0), args.repeat)
+            save = median_ms(partial(datapath.save, session, SaveArgs(request.hashes, ids, tokens, 0)), args.repeat)
             ids, hit = [request.load_ids], n * 16
-            load = median_ms(partial(datapath.load, session, request.hashes, ids, hit, [hit], 0), args.repeat)
+            load = median_ms(partial(datapath.load, session, LoadArgs(request.hashes, ids, hit, [hit], 0)), args.repeat)
             print(f"| {shape.name} save, {n} blocks ({shape.regions} slices each) | {save:.3f} |")
             print(f"| {shape.name} load, {n} blocks | {load:.3f} |")
     scheduler = sessions.open(Role.SCHEDULER, _layout(0), 32, "x")
@@ -84,7 +90,8 @@ def main() -> None:
         datapath = DataPath(StubStore(present), Metrics())
         for tokens in (4096, 32768, 131072):
             hashes = hashes_for("overhead", tokens // 16)
-            ms = median_ms(partial(datapath.lookup, scheduler, hashes, tokens, False), max(5, args.repeat // 4))
+            lookup = partial(datapath.lookup, scheduler, LookupArgs(hashes, tokens, False))
+            ms = median_ms(lookup, max(5, args.repeat // 4))
             print(f"| lookup {tokens // 1024}k tokens, {what} | {ms:.3f} |")
 
 

@@ -30,7 +30,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.config import parse_size
-from kvsidecar.ssd import inventory
+from kvsidecar.tiers.directory import inventory
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
 
 MiB = 1 << 20

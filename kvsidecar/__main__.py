@@ -2,6 +2,6 @@
 
 import sys
 
-from kvsidecar.cli import main
+from kvsidecar.cli.main import main
 
 sys.exit(main())

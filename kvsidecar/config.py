@@ -1,4 +1,10 @@
-"""The daemon's configuration: one object, built from CLI flags and one optional TOML file."""
+"""The daemon's configuration: one object, built from CLI flags and one optional TOML file.
+
+Each setting is declared once, as a field of `Config` with its help text and parser beside it (`setting`); the
+flags, the config file's keys and the defaults all come from those fields.
+
+Imports: errors, fence (the peer networks' parser).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,12 @@ import dataclasses
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvsidecar.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,10 +39,6 @@ DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # Mooncake's own default is 1.25 GiB per ow
 DEFAULT_MASTER_CLIENT_TTL_S = 10.0  # mooncake_master --client_ttl
 
 
-class ConfigError(ValueError):
-    """A flag or config-file value that cannot be used."""
-
-
 def parse_size(text: str | int) -> int:
     """'1GiB', '512MiB', '64M', '4096' -> bytes."""
     if isinstance(text, int):
@@ -43,6 +48,34 @@ def parse_size(text: str | int) -> int:
         raise ConfigError(f"not a size: {text!r} (examples: 1GiB, 512MiB, 4096)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
     return int(float(m.group(1)) * scale)
+
+
+def _octal(text: str) -> int:
+    return int(text, 8)
+
+
+def _flag_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"not a boolean: {text!r} (true or false)")
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    parse: Callable[[str], Any] = str,
+    repeatable: bool = False,
+    default_factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A Config field that is also a flag: its help text, how a flag's text becomes its value, and whether the flag
+    may be given several times (then the value is a tuple, and a config file gives a list)."""
+    metadata = {"help": help, "parse": parse, "repeatable": repeatable}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -55,37 +88,109 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Config:
-    """Everything `kvsidecar serve` can be told."""
+    """Everything `kvsidecar serve` can be told: each field is one flag (`--name-with-dashes`) and one config key."""
 
-    socket: str = field(default_factory=default_socket_path)
-    socket_mode: int = 0o660
-    socket_group: str = ""
-    listen: str = ""  # optional TCP listener host:port; needs TLS and client authentication
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""  # client certificates signed by this CA are required
-    token_file: str = ""  # clients must send `authorization: Bearer <token>`
-    tenants: str = ""  # TOML file of tenants: credentials, cache prefixes, budgets (empty: single-tenant)
-    metrics_address: str = DEFAULT_METRICS_ADDRESS
-    master: str = ""  # empty: start an embedded mooncake_master on loopback
-    peer_network: tuple[str, ...] = ()  # with a non-loopback master: who may reach this node's transfer ports
-    master_binary: str = ""
-    master_lease_ttl_ms: int = 10_000
-    metadata_server: str = "P2PHANDSHAKE"
-    local_hostname: str = "127.0.0.1"
-    protocol: str = "tcp"
-    rdma_devices: str = ""
-    segment_size: int = DEFAULT_SEGMENT_BYTES
-    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_BYTES
-    replicas: int = 1
-    session_ttl: float = DEFAULT_SESSION_TTL_S
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    workers: int = 8
-    log_level: str = "info"
-    ssd_dir: str = ""  # empty: no disk tier
-    ssd_size: int = DEFAULT_SSD_BYTES
-    ssd_buffer_size: int = DEFAULT_SSD_BUFFER_BYTES
-    master_client_ttl: float = DEFAULT_MASTER_CLIENT_TTL_S
+    socket: str = setting(
+        default_factory=default_socket_path, help="Unix socket the gRPC service listens on (default: %(default)s)"
+    )
+    socket_mode: int = setting(0o660, help="permissions of the socket file, octal (default 0660)", parse=_octal)
+    socket_group: str = setting("", help="group that owns the socket file (default: the daemon's)")
+    listen: str = setting("", help="also listen on TCP host:port, with TLS and client authentication (default: off)")
+    tls_cert: str = setting("", help="PEM certificate chain of the TCP listener")
+    tls_key: str = setting("", help="PEM private key of the TCP listener")
+    tls_client_ca: str = setting("", help="PEM CA bundle: TCP clients must present a certificate it signed")
+    token_file: str = setting(
+        "", help="file holding a bearer token TCP clients must send (authorization: Bearer <token>)"
+    )
+    tenants: str = setting(
+        "",
+        help=(
+            "TOML file mapping tenants to credentials (uids/gids, token hashes, certificate subjects), the cache "
+            "prefixes they may use and their write budgets; SIGHUP reloads it (default: single-tenant)"
+        ),
+    )
+    allow_shm_names: bool = setting(
+        False,
+        help=(
+            "single-tenant: accept /dev/shm segment names from this node's ranks (trusted ranks only: a named "
+            "segment can be truncated under a transfer; sealed memfds need no trust); with --tenants, each "
+            "tenant's shm_names decides (default: off)"
+        ),
+        parse=bool,
+    )
+    metrics_address: str = setting(
+        DEFAULT_METRICS_ADDRESS, help="host:port of the Prometheus /metrics endpoint (default: %(default)s)"
+    )
+    master: str = setting("", help="host:port of an existing mooncake_master (default: start one on loopback)")
+    peer_network: tuple[str, ...] = setting(
+        (),
+        help=(
+            "with --master: a network (CIDR) whose hosts may reach this node's Mooncake transfer ports; "
+            "repeatable, IPv4 or IPv6; loopback is always allowed; required unless the master is on loopback"
+        ),
+        repeatable=True,
+    )
+    master_binary: str = setting(
+        "", help="path of mooncake_master for the embedded master (default: next to python, or PATH)"
+    )
+    master_lease_ttl_ms: int = setting(
+        10_000, help="embedded master: how long a read protects a key from eviction (default 10000)", parse=int
+    )
+    metadata_server: str = setting(
+        "P2PHANDSHAKE", help="Mooncake metadata service: P2PHANDSHAKE, http://host:port/metadata, etcd://..."
+    )
+    local_hostname: str = setting(
+        "127.0.0.1", help="address this node's Mooncake client advertises (default: %(default)s)"
+    )
+    protocol: str = setting("tcp", help="Mooncake transport: tcp or rdma (default: %(default)s)")
+    rdma_devices: str = setting("", help="comma-separated RDMA devices (default: Mooncake picks)")
+    segment_size: int = setting(
+        DEFAULT_SEGMENT_BYTES,
+        help=(
+            "memory this node contributes to the Mooncake pool, e.g. 1GiB (default 1GiB); it is faulted in at "
+            "start, so the daemon's resident memory includes it"
+        ),
+        parse=parse_size,
+    )
+    local_buffer_size: int = setting(
+        DEFAULT_LOCAL_BUFFER_BYTES, help="Mooncake client transfer buffer, e.g. 64MiB (default 64MiB)", parse=parse_size
+    )
+    replicas: int = setting(1, help="replicas of every stored block (default 1)", parse=int)
+    session_ttl: float = setting(
+        DEFAULT_SESSION_TTL_S,
+        help="seconds a session lives without a KeepAlive before its memory is released (default 10)",
+        parse=float,
+    )
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message accepted or sent (default 64MiB)", parse=parse_size
+    )
+    workers: int = setting(8, help="threads running saves and loads off the event loop (default 8)", parse=int)
+    log_level: str = setting("info", help="debug, info, warning or error (default info)")
+    ssd_dir: str = setting(
+        "",
+        help=(
+            "absolute directory of a disk tier (Mooncake SSD offload) behind the segment, owned by this daemon "
+            "alone; blocks evicted from DRAM are written there and survive restarts (default: no disk tier)"
+        ),
+    )
+    ssd_size: int = setting(
+        DEFAULT_SSD_BYTES,
+        help="most bytes the disk tier may use under --ssd-dir, oldest out first (default 8GiB)",
+        parse=parse_size,
+    )
+    ssd_buffer_size: int = setting(
+        DEFAULT_SSD_BUFFER_BYTES,
+        help="disk tier staging buffer, e.g. 1.25GiB on a GPU node (default 64MiB)",
+        parse=parse_size,
+    )
+    master_client_ttl: float = setting(
+        DEFAULT_MASTER_CLIENT_TTL_S,
+        help=(
+            "external master's --client_ttl in seconds: with --ssd-dir, a restart waits this long after the "
+            "previous daemon's end so the master lets go of its disk blocks (default 10; 0: do not wait)"
+        ),
+        parse=float,
+    )
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
@@ -133,9 +238,8 @@ class Config:
         from kvsidecar.fence.bpf import parse_networks
         from kvsidecar.fence.daemon import is_loopback_host
 
-        if isinstance(self.peer_network, (list, str)):  # from a TOML file or a single flag
-            networks = [self.peer_network] if isinstance(self.peer_network, str) else self.peer_network
-            object.__setattr__(self, "peer_network", tuple(networks))
+        if not isinstance(self.peer_network, tuple):
+            raise ConfigError(f"peer-network must be a tuple of networks, got {type(self.peer_network).__name__}")
         try:
             parse_networks(self.peer_network)
         except ValueError as exc:
@@ -157,80 +261,28 @@ class Config:
             )
 
 
-# Fields whose flag may be given several times.
-_REPEATABLE = {"peer_network"}
-
-# (flag, type, help); each field of Config has exactly one flag.
-_FLAGS: list[tuple[str, Any, str]] = [
-    ("socket", str, "Unix socket the gRPC service listens on (default: %(default)s)"),
-    ("socket_mode", lambda s: int(s, 8), "permissions of the socket file, octal (default 0660)"),
-    ("socket_group", str, "group that owns the socket file (default: the daemon's)"),
-    ("listen", str, "also listen on TCP host:port, with TLS and client authentication (default: off)"),
-    ("tls_cert", str, "PEM certificate chain of the TCP listener"),
-    ("tls_key", str, "PEM private key of the TCP listener"),
-    ("tls_client_ca", str, "PEM CA bundle: TCP clients must present a certificate it signed"),
-    ("token_file", str, "file holding a bearer token TCP clients must send (authorization: Bearer <token>)"),
-    (
-        "tenants",
-        str,
-        "TOML file mapping tenants to credentials (uids/gids, token hashes, certificate subjects), the cache prefixes "
-        "they may use and their write budgets; SIGHUP reloads it (default: single-tenant)",
-    ),
-    ("metrics_address", str, "host:port of the Prometheus /metrics endpoint (default: %(default)s)"),
-    ("master", str, "host:port of an existing mooncake_master (default: start one on loopback)"),
-    (
-        "peer_network",
-        str,
-        "with --master: a network (CIDR) whose hosts may reach this node's Mooncake transfer ports; repeatable, "
-        "IPv4 or IPv6; loopback is always allowed; required unless the master is on loopback",
-    ),
-    ("master_binary", str, "path of mooncake_master for the embedded master (default: next to python, or PATH)"),
-    ("master_lease_ttl_ms", int, "embedded master: how long a read protects a key from eviction (default 10000)"),
-    ("metadata_server", str, "Mooncake metadata service: P2PHANDSHAKE, http://host:port/metadata, etcd://..."),
-    ("local_hostname", str, "address this node's Mooncake client advertises (default: %(default)s)"),
-    ("protocol", str, "Mooncake transport: tcp or rdma (default: %(default)s)"),
-    ("rdma_devices", str, "comma-separated RDMA devices (default: Mooncake picks)"),
-    (
-        "segment_size",
-        parse_size,
-        "memory this node contributes to the Mooncake pool, e.g. 1GiB (default 1GiB); it is faulted in at start, "
-        "so the daemon's resident memory includes it",
-    ),
-    ("local_buffer_size", parse_size, "Mooncake client transfer buffer, e.g. 64MiB (default 64MiB)"),
-    ("replicas", int, "replicas of every stored block (default 1)"),
-    ("session_ttl", float, "seconds a session lives without a KeepAlive before its memory is released (default 10)"),
-    ("max_message_bytes", parse_size, "largest gRPC message accepted or sent (default 64MiB)"),
-    ("workers", int, "threads running saves and loads off the event loop (default 8)"),
-    ("log_level", str, "debug, info, warning or error (default info)"),
-    (
-        "ssd_dir",
-        str,
-        "absolute directory of a disk tier (Mooncake SSD offload) behind the segment, owned by this daemon alone; "
-        "blocks evicted from DRAM are written there and survive restarts (default: no disk tier)",
-    ),
-    ("ssd_size", parse_size, "most bytes the disk tier may use under --ssd-dir, oldest out first (default 8GiB)"),
-    ("ssd_buffer_size", parse_size, "disk tier staging buffer, e.g. 1.25GiB on a GPU node (default 64MiB)"),
-    (
-        "master_client_ttl",
-        float,
-        "external master's --client_ttl in seconds: with --ssd-dir, a restart waits this long after the previous "
-        "daemon's end so the master lets go of its disk blocks (default 10; 0: do not wait)",
-    ),
-]
+def _settings() -> list[dataclasses.Field[Any]]:
+    return list(dataclasses.fields(Config))
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add `--config` and one flag per Config field; unset flags stay None so the file and defaults apply."""
     parser.add_argument("--config", help="TOML file with the same keys as the flags (dashes or underscores)")
     defaults = Config(socket=default_socket_path())
-    for name, kind, text in _FLAGS:
+    for f in _settings():
+        meta = f.metadata
+        flag = "--" + f.name.replace("_", "-")
+        text = meta["help"] % {"default": getattr(defaults, f.name)}
+        if meta["parse"] is bool:
+            parser.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=text)
+            continue
         parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            type=kind,
+            flag,
+            dest=f.name,
+            type=meta["parse"],
             default=None,
-            action="append" if name in _REPEATABLE else "store",
-            help=text % {"default": getattr(defaults, name)},
+            action="append" if meta["repeatable"] else "store",
+            help=text,
         )
 
 
@@ -239,44 +291,50 @@ def from_args(args: argparse.Namespace) -> Config:
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_file(Path(args.config)))
-    for name, _, _ in _FLAGS:
-        value = getattr(args, name, None)
+    for f in _settings():
+        value = getattr(args, f.name, None)
         if value is not None:
-            values[name] = value
+            values[f.name] = value
     return build(values)
 
 
 def load_file(path: Path) -> dict[str, Any]:
-    """Read a TOML config file into Config field values."""
+    """Read a TOML config file into Config field values, each parsed as its flag would be."""
     try:
         raw = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    known = {name: kind for name, kind, _ in _FLAGS}
+    known = {f.name: f for f in _settings()}
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in known:
             raise ConfigError(f"config file {path}: unknown key {key!r}")
-        if name in _REPEATABLE and isinstance(value, list):
-            out[name] = tuple(known[name](item) for item in value)
-            continue
+        meta = known[name].metadata
+        parse = _flag_bool if meta["parse"] is bool else meta["parse"]
         try:
-            out[name] = known[name](value) if isinstance(value, str) else value
+            if meta["repeatable"] and isinstance(value, list):
+                out[name] = tuple(parse(item) if isinstance(item, str) else item for item in value)
+            else:
+                out[name] = parse(value) if isinstance(value, str) else value
         except ValueError as exc:
             raise ConfigError(f"config file {path}: bad value for {key!r}: {exc}") from None
     return out
 
 
 def build(values: dict[str, Any]) -> Config:
-    """A Config from field values, with every field type checked."""
-    fields = {f.name for f in dataclasses.fields(Config)}
-    unknown = set(values) - fields
+    """A Config from field values, with every field type checked; a repeatable setting's list becomes a tuple."""
+    fields = {f.name: f for f in _settings()}
+    unknown = set(values) - set(fields)
     if unknown:
         raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+    ready = dict(values)
+    for name, value in values.items():
+        if fields[name].metadata["repeatable"]:
+            ready[name] = (value,) if isinstance(value, str) else tuple(value)
     try:
-        return Config(**values)
+        return Config(**ready)
     except TypeError as exc:
         raise ConfigError(str(exc)) from None

@@ -1,8 +1,47 @@
-"""The daemon's request errors: plain exceptions whose message is the reason (statuses.py maps them to gRPC)."""
+"""Every error family of the daemon, in one place; an error's message is always the reason a person reads.
+
+- `RequestError`: a request the daemon refuses, answered to that client alone (rpc/statuses.py maps each class to
+  one gRPC status): `BadRequest`, `Unauthenticated`, `UnknownSession`, `OutOfOrder`, `Forbidden`, `ShuttingDown`.
+  The placement core's
+  `PlacementError` (kvsidecar_contract) is answered like `BadRequest`.
+- `StoreError` (`StoreUnavailable`): a store call failed as a whole; its `code` is a store.codes.StoreCode. Failures
+  of single keys are not errors but per-key codes, and a block's failure reaches the client as a reasons.Reason.
+- `ConfigError`: a flag, config file, tenants file or token file that cannot be used; the daemon does not start.
+- `DaemonError`: the daemon cannot start or must stop: `MasterError` (the embedded mooncake_master),
+  `FenceError` (a Mooncake listener that cannot be fenced), `DiskDirBusy` (another daemon owns the disk tier),
+  `NativeLibraryError` (Mooncake's native libraries).
+- `DemoError`: `kvsidecar demo` cannot run.
+
+Test machinery (kvsidecar/testing) has its own: ProcessError, RankError, WaitTimeout.
+
+Imports: store (StoreUnavailable's code, when one is raised).
+"""
 
 from __future__ import annotations
 
-__all__ = ["BadRequest", "Forbidden", "OutOfOrder", "RequestError", "ShuttingDown", "UnknownSession"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvsidecar.store.codes import StoreCode
+
+__all__ = [
+    "BadRequest",
+    "ConfigError",
+    "DaemonError",
+    "DemoError",
+    "DiskDirBusy",
+    "FenceError",
+    "Forbidden",
+    "MasterError",
+    "NativeLibraryError",
+    "OutOfOrder",
+    "RequestError",
+    "ShuttingDown",
+    "StoreError",
+    "StoreUnavailable",
+    "Unauthenticated",
+    "UnknownSession",
+]
 
 
 class RequestError(Exception):
@@ -11,6 +50,10 @@ class RequestError(Exception):
 
 class BadRequest(RequestError):
     """Malformed or inconsistent input."""
+
+
+class Unauthenticated(RequestError):
+    """Credentials that cannot be read one way only (a header sent twice) or that prove nothing."""
 
 
 class UnknownSession(RequestError):
@@ -27,3 +70,56 @@ class Forbidden(RequestError):
 
 class ShuttingDown(RequestError):
     """The daemon is stopping and takes no new work."""
+
+
+class StoreError(Exception):
+    """A store call failed as a whole (not per key)."""
+
+    def __init__(self, code: StoreCode, reason: str) -> None:
+        super().__init__(f"{code.value}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (closed, master down, setup failed)."""
+
+    def __init__(self, reason: str) -> None:
+        from kvsidecar.store.codes import StoreCode
+
+        super().__init__(StoreCode.UNAVAILABLE, reason)
+
+
+class ConfigError(ValueError):
+    """A flag or config-file value that cannot be used."""
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start (socket taken, master or store unavailable) or must stop."""
+
+
+class MasterError(DaemonError):
+    """The embedded mooncake_master cannot be found, started or reached; carries its last output lines."""
+
+    def __init__(self, reason: str, output_tail: list[str] | None = None) -> None:
+        tail = output_tail or []
+        message = reason if not tail else reason + "\nlast output of mooncake_master:\n" + "\n".join(tail)
+        super().__init__(message)
+        self.reason = reason
+        self.output_tail = tail
+
+
+class FenceError(DaemonError):
+    """A listener could not be fenced, or someone outside the allow-list connected before the fence was up."""
+
+
+class DiskDirBusy(DaemonError):
+    """The disk-tier directory is locked by another live daemon."""
+
+
+class NativeLibraryError(DaemonError):
+    """libibverbs, which Mooncake needs even for TCP, cannot be loaded."""
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run (no daemon, a daemon that does not start, a call that fails)."""

@@ -1,4 +1,7 @@
-"""Prometheus metrics of the daemon, on a registry passed in (tests use their own)."""
+"""Prometheus metrics of the daemon, on a registry passed in (tests use their own).
+
+Imports: ; prometheus_client.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ class ListenerDrops:
     NAME = "kvsidecar_listener_dropped_packets"
     HELP = "Packets the kernel dropped at a fenced listener: connection attempts from outside its allow-list."
 
-    def __init__(self) -> None:
-        self.source: Callable[[], dict[tuple[str, str], int]] = dict
+    def __init__(self, source: Callable[[], dict[tuple[str, str], int]], registry: CollectorRegistry) -> None:
+        """source answers the packets each (role, address) refused so far (the daemon's fence)."""
+        self._source = source
+        registry.register(self)
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.NAME, self.HELP, labels=["role", "address"])
@@ -28,7 +33,7 @@ class ListenerDrops:
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
-        for (role, address), count in sorted(self.source().items()):
+        for (role, address), count in sorted(self._source().items()):
             family.add_metric([role, address], count)
         yield family
 
@@ -36,7 +41,14 @@ class ListenerDrops:
 class Metrics:
     """Every counter, gauge and histogram the daemon exports; names are part of the operator contract."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        listener_drops: Callable[[], dict[tuple[str, str], int]] = dict,
+    ) -> None:
+        """registry: where the metrics go (a fresh one by default); listener_drops: the packets each fenced listener
+        refused (the daemon's fence; none by default)."""
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.lookup_requests = Counter("kvsidecar_lookup_requests", "Prefix lookups answered.", ["outcome"], registry=r)
@@ -139,8 +151,7 @@ class Metrics:
             ["role", "address", "allowed"],
             registry=r,
         )
-        self.listener_drops = ListenerDrops()
-        r.register(self.listener_drops)
+        self.listener_drops = ListenerDrops(listener_drops, r)
 
         # Per tenant; the label takes only names from the tenants file (and "none"), so it stays bounded.
         self.tenant_lookup_tokens = Counter(

@@ -1,6 +1,8 @@
 """The daemon's domain values that requests carry in and results carry out; wire.py converts them to and from proto.
 
 Plain values only: nothing here maps memory, talks to the store or knows gRPC.
+
+Imports: reasons.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvsidecar.reasons import Reason
 from kvsidecar_contract.placement import Hit, Parallel
 
 __all__ = [
     "CudaHandle",
     "MemfdHandle",
     "Failure",
+    "Handle",
     "LoadArgs",
     "LoadOutcome",
+    "LookupArgs",
     "LookupOutcome",
     "RegionRequest",
     "Role",
@@ -63,11 +68,14 @@ class CudaHandle:
     event_sync_required: bool
 
 
+Handle = ShmHandle | CudaHandle | MemfdHandle  # what names a region's memory
+
+
 @dataclass(frozen=True, slots=True)
 class RegionRequest:
-    """One strided view of engine memory as a RegisterMemory request describes it (checked and mapped by memory.py)."""
+    """One strided view of engine memory as a RegisterMemory request describes it (checked and mapped by memory/)."""
 
-    handle: ShmHandle | CudaHandle | MemfdHandle | None  # None: the request named no handle
+    handle: Handle | None  # None: the request named no handle
     mapping_bytes: int
     offset: int
     stride: int
@@ -77,11 +85,11 @@ class RegionRequest:
 
 
 class Failure(NamedTuple):
-    """A block whose save or load failed, and the store's reason."""
+    """A block whose save or load failed, and why."""
 
     group: int
     block_id: int
-    reason: str
+    reason: Reason
 
 
 class SaveOutcome(NamedTuple):
@@ -102,6 +110,14 @@ class SaveArgs(NamedTuple):
     block_ids: Sequence[Sequence[int]]
     num_tokens: int
     saved: int = 0
+
+
+class LookupArgs(NamedTuple):
+    """One lookup: the prompt's hashes, its tokens, and whether the engine drafts with EAGLE (one block less)."""
+
+    hashes: Sequence[bytes]
+    num_tokens: int
+    eagle: bool = False
 
 
 class LoadArgs(NamedTuple):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvsidecar.master import EmbeddedMaster
+from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
 from kvsidecar.testing.mooncake_env import MooncakeEnv
 

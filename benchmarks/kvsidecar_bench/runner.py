@@ -112,7 +112,7 @@ def _one_torch_thread() -> None:
 
 def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: MooncakeEnv) -> Results:
     """Every selected section, with the processes they need, all stopped before returning."""
-    from kvsidecar.master import EmbeddedMaster
+    from kvsidecar.daemon.master import EmbeddedMaster
 
     machine = describe_machine(settings.device)
     started = time.monotonic()
@@ -221,7 +221,7 @@ def _real_client_path(
     progress: Progress,
     mooncake: MooncakeEnv,
 ) -> RealClientPath | None:
-    from kvsidecar.master import EmbeddedMaster
+    from kvsidecar.daemon.master import EmbeddedMaster
 
     if not settings.real_client:
         results.notes.append("The real-client path was skipped (--no-real-client).")

@@ -85,7 +85,8 @@ def _names(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 
 def _size(text: str) -> int:
-    from kvsidecar.config import ConfigError, parse_size
+    from kvsidecar.config import parse_size
+    from kvsidecar.errors import ConfigError
 
     try:
         return parse_size(text)

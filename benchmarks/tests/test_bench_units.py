@@ -217,7 +217,7 @@ def test_markdown_has_every_section_and_the_command():
 
 
 def test_the_daemon_command_line_never_imports_the_bench():
-    code = "import sys; from kvsidecar.cli import build_parser; build_parser(); print(*sorted(sys.modules))"
+    code = "import sys; from kvsidecar.cli.main import build_parser; build_parser(); print(*sorted(sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert not [m for m in loaded if m.split(".")[0] in ("kvsidecar_bench", "torch", "mooncake")]
 

@@ -8,8 +8,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvsidecar.errors import FenceError
 from kvsidecar.fence import bpf, segments
-from kvsidecar.fence.guard import FenceError, Listener, ListenerFence, Policy, listening_inodes
+from kvsidecar.fence.guard import Listener, ListenerFence, Policy, listening_inodes
 
 __all__ = ["DaemonFence", "FenceError", "Listener", "is_loopback_host", "policy_for"]
 
@@ -37,8 +38,9 @@ def policy_for(*, embedded_master: bool, peer_networks: tuple[str, ...]) -> Poli
 class DaemonFence:
     """Seals the listeners Mooncake opens in this daemon and reports every listener the daemon holds."""
 
-    def __init__(self, policy: Policy, master_admin_url: str = "") -> None:
-        """master_admin_url: the embedded master's admin HTTP, watched for segments that are not this daemon's."""
+    def __init__(self, policy: Policy, master_admin_url: Callable[[], str] = str) -> None:
+        """master_admin_url answers the embedded master's admin HTTP ("" without one), watched for segments that
+        are not this daemon's."""
         self.policy = policy
         self._fence = ListenerFence(policy)
         self._own: list[Listener] = []
@@ -74,12 +76,13 @@ class DaemonFence:
         for listener in self._fence.sweep(self.own_ports()):
             log.warning("fenced late listener %s %s: allowed %s", listener.role, listener.address, listener.allowed)
         self._fence.check_breaches()
-        if self._master_admin_url:
-            self._check_segments()
+        url = self._master_admin_url()
+        if url:
+            self._check_segments(url)
 
-    def _check_segments(self) -> None:
+    def _check_segments(self, url: str) -> None:
         try:
-            detail = segments.segments_detail(self._master_admin_url)
+            detail = segments.segments_detail(url)
         except (OSError, ValueError) as exc:  # the master is down or restarting: its supervisor handles that
             log.debug("cannot list the embedded master's segments: %s", exc)
             return
@@ -107,8 +110,8 @@ class DaemonFence:
     def release(self) -> None:
         self._fence.release()
 
-    def report(self, config: Any, addresses: list[str], metrics_port: int, metrics: Any, service: Any) -> None:
-        """Record kvsidecar's own listeners, export all of them (metrics, Stats) and log them once."""
+    def report(self, config: Any, addresses: list[str], metrics_port: int, metrics: Any) -> None:
+        """Record kvsidecar's own listeners, export all of them as kvsidecar_listener_info and log them once."""
         group = f", group {config.socket_group}" if config.socket_group else ""
         self.add_own(
             "grpc-unix", addresses[0], f"local accounts with access to a mode {config.socket_mode:04o} file{group}"
@@ -120,8 +123,6 @@ class DaemonFence:
         self.add_own("metrics", f"{host}:{metrics_port}", where)
         for item in self.listeners():
             metrics.listener_info.labels(item.role, item.address, item.allowed).set(1)
-        metrics.listener_drops.source = self.dropped
-        service.listener_report = self.listeners_with_drops
         log.info("listeners: %s", self.summary())
 
     def listeners_with_drops(self) -> list[tuple[Listener, int]]:

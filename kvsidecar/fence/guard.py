@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvsidecar.errors import FenceError
 from kvsidecar.fence import bpf, proctcp
 from kvsidecar.fence.bpf import Network
 from kvsidecar.fence.proctcp import TcpSocket
@@ -31,10 +32,6 @@ SO_LOCK_FILTER = 44
 SO_MEMINFO = 55
 _SK_MEMINFO_DROPS = 8
 _MEMINFO_BYTES = 9 * 4
-
-
-class FenceError(RuntimeError):
-    """A listener could not be fenced, or someone outside the allow-list connected before the fence was up."""
 
 
 @dataclass(frozen=True)

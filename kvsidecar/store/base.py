@@ -1,11 +1,12 @@
-"""The store interface the service depends on; Mooncake and the in-memory test store implement it."""
+"""The store interface the daemon depends on, whole: Mooncake and the in-memory test store implement all of it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from kvsidecar.store.codes import Presence, StoreCode, StoreError
+from kvsidecar.errors import StoreError
+from kvsidecar.store.codes import Presence, StoreCode
 
 __all__ = ["Presence", "Store", "StoreHealth", "check_batch_shapes"]
 
@@ -56,9 +57,20 @@ class Store(Protocol):
         regular expression rest); return how many were removed."""
         ...
 
-    def health(self) -> StoreHealth:
-        """Whether the store and its master answer."""
+    def tiers(self, keys: Sequence[str]) -> list[str]:
+        """Where each key is now: "memory", "disk" or "" (absent); a metadata call that takes no lease."""
         ...
+
+    def readable(self, key: str) -> bool:
+        """Whether key's value can be read right now (into a scratch buffer): a check, not a data path."""
+        ...
+
+    def health(self) -> StoreHealth:
+        """Whether the store and its master answer, with the last note_health text after the detail."""
+        ...
+
+    def note_health(self, note: str) -> None:
+        """A line health() adds to its detail from now on (the disk tier's recovery at start); empty: none."""
 
     def close(self) -> None:
         """Release the store; later calls raise StoreUnavailable instead of crashing."""

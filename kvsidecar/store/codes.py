@@ -44,10 +44,6 @@ _BY_NUMBER: dict[int, StoreCode] = {
 }
 
 
-# A load failure reason that is no store outcome: the engine named no block for the span (NO_BLOCK).
-NO_BLOCK_REASON = "no_block"
-
-
 def from_mooncake(code: int) -> StoreCode:
     """Map a Mooncake return value (0 or bytes on success, negative on failure) to a StoreCode."""
     if code >= 0:
@@ -89,19 +85,3 @@ class Health(enum.IntEnum):
     HEALTHY = 0
     NOT_INITIALIZED = 1
     MASTER_UNREACHABLE = 2
-
-
-class StoreError(Exception):
-    """A store call failed as a whole (not per key)."""
-
-    def __init__(self, code: StoreCode, reason: str) -> None:
-        super().__init__(f"{code.value}: {reason}")
-        self.code = code
-        self.reason = reason
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be reached (closed, master down, setup failed)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(StoreCode.UNAVAILABLE, reason)

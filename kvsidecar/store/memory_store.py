@@ -7,8 +7,9 @@ import re
 import threading
 from collections.abc import Callable, Collection, Sequence
 
+from kvsidecar.errors import StoreError, StoreUnavailable
 from kvsidecar.store.base import Presence, StoreHealth, check_batch_shapes
-from kvsidecar.store.codes import StoreCode, StoreError, StoreUnavailable, presence_of_failure
+from kvsidecar.store.codes import StoreCode, presence_of_failure
 
 __all__ = ["OPERATIONS", "Fault", "MemoryStore", "Operation"]
 
@@ -34,6 +35,7 @@ class MemoryStore:
         self._registered: dict[int, int] = {}
         self._fault: Fault | None = None
         self._closed = False
+        self._health_note = ""
 
     # Fault injection.
 
@@ -158,12 +160,30 @@ class MemoryStore:
                 self._used -= len(self._values.pop(key))
             return len(doomed)
 
+    def tiers(self, keys: Sequence[str]) -> list[str]:
+        """Every stored value is in memory; an absent key is ""."""
+        with self._lock:
+            self._check_open()
+            return ["memory" if key in self._values else "" for key in keys]
+
+    def readable(self, key: str) -> bool:
+        """Whether key has a value that a get would serve now (faults included)."""
+        with self._lock:
+            self._check_open()
+            return key in self._values and self._forced("get", key) is None
+
     def health(self) -> StoreHealth:
         """Healthy while open."""
         with self._lock:
             if self._closed:
-                return StoreHealth(False, "the memory store is closed")
-            return StoreHealth(True, f"memory store: {len(self._values)} keys, {self._used} bytes")
+                health = StoreHealth(False, "the memory store is closed")
+            else:
+                health = StoreHealth(True, f"memory store: {len(self._values)} keys, {self._used} bytes")
+        return health._replace(detail=f"{health.detail}; {self._health_note}") if self._health_note else health
+
+    def note_health(self, note: str) -> None:
+        """A line health() adds to its detail from now on."""
+        self._health_note = note
 
     def close(self) -> None:
         """Drop all values; later calls raise StoreUnavailable."""

@@ -35,16 +35,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvsidecar.errors import StoreError, StoreUnavailable
 from kvsidecar.store.base import Presence, StoreHealth, check_batch_shapes
-from kvsidecar.store.codes import (
-    SUCCESS,
-    Health,
-    StoreCode,
-    StoreError,
-    StoreUnavailable,
-    from_mooncake,
-    presence_from_mooncake,
-)
+from kvsidecar.store.codes import SUCCESS, Health, StoreCode, from_mooncake, presence_from_mooncake
 from kvsidecar.store.prefault import SegmentPrefault
 
 __all__ = [
@@ -123,7 +116,7 @@ class MooncakeStore:
         self._closed = False
         self.prefault: SegmentPrefault | None = None
         self._exists_pool = ThreadPoolExecutor(_EXISTS_PARTS, thread_name_prefix="kvsidecar-exists")
-        self.health_note = ""  # appended to the health detail (the disk tier's recovery at start)
+        self._health_note = ""  # appended to the health detail (the disk tier's recovery at start)
 
     @classmethod
     def connect(cls, settings: MooncakeSettings) -> MooncakeStore:
@@ -133,7 +126,8 @@ class MooncakeStore:
         MC_STORE_CLIENT_SETUP_RETRIES: without it a missing master is retried for ~90 s); set it before calling.
         """
         # Imported here so that importing kvsidecar never needs the native libraries.
-        from kvsidecar.store.native import NativeLibraryError, ensure_native_libs
+        from kvsidecar.errors import NativeLibraryError
+        from kvsidecar.store.native import ensure_native_libs
 
         try:
             ensure_native_libs()
@@ -318,7 +312,11 @@ class MooncakeStore:
     def health(self) -> StoreHealth:
         """Whether the client is open and its master answers; never raises, a closed store is unhealthy."""
         health = self._health()
-        return health._replace(detail=f"{health.detail}; {self.health_note}") if self.health_note else health
+        return health._replace(detail=f"{health.detail}; {self._health_note}") if self._health_note else health
+
+    def note_health(self, note: str) -> None:
+        """A line health() adds to its detail from now on."""
+        self._health_note = note
 
     def _health(self) -> StoreHealth:
         master = self._settings.master_server_addr

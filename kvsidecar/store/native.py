@@ -9,7 +9,9 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["NATIVE_DIR_NAME", "NativeLibraryError", "ensure_native_libs", "native_dir", "preload_from"]
+from kvsidecar.errors import NativeLibraryError
+
+__all__ = ["NATIVE_DIR_NAME", "ensure_native_libs", "native_dir", "preload_from"]
 
 NATIVE_DIR_NAME = "kvsidecar-native"
 IBVERBS = "libibverbs.so.1"
@@ -19,10 +21,6 @@ _PRELOAD_ORDER = ("libnl-3.so.200", "libnl-route-3.so.200", IBVERBS)
 _lock = threading.Lock()
 # Folders already preloaded into this process; dlopen of the same file again is harmless but not free.
 _preloaded: set[Path] = set()
-
-
-class NativeLibraryError(OSError):
-    """libibverbs, which Mooncake needs even for TCP, cannot be loaded."""
 
 
 def native_dir(prefix: str | os.PathLike[str] | None = None) -> Path:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kvsidecar.store.codes import SUCCESS, StoreCode, StoreError, StoreUnavailable
+from kvsidecar.errors import StoreError, StoreUnavailable
+from kvsidecar.store.codes import SUCCESS, StoreCode
 
 __all__ = ["SegmentPrefault", "writable_mapping_end"]
 

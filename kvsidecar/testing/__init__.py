@@ -7,6 +7,9 @@
 - `oracle`: what an engine rank's blocks hold and what a load must bring back, from the engine's side
 - `hashes`: block hashes chained as an engine chains them
 
-The embedded master is the daemon's own (`kvsidecar.master.EmbeddedMaster`). Nothing here needs vLLM; `processes`,
-`mooncake_env` and `waiting` need only the standard library, so a venv without the daemon can drive one.
+The embedded master is the daemon's own (`kvsidecar.daemon.master.EmbeddedMaster`). Nothing here needs vLLM;
+`processes`, `mooncake_env` and `waiting` need only the standard library, so a venv without the daemon can drive one.
+Nothing of the daemon imports it but the demo.
+
+Imports: errors, store, rpc; grpc.
 """

@@ -149,7 +149,7 @@ def view_of(group: GroupSpec, dcp_size: int) -> GroupView:
 
 def layout_of(req: pb.OpenSessionRequest) -> Layout:
     """The engine layout a (valid) OpenSession request describes, parsed exactly as the daemon parses it."""
-    from kvsidecar import wire
+    from kvsidecar.rpc import wire
 
     return wire.open_request(req)[1]
 

@@ -1,6 +1,6 @@
 """Real processes, started on free loopback ports and private folders and stopped by PID: the daemon, a storage node.
 
-Readiness is an event, not a guess: the daemon tells its NOTIFY_SOCKET READY=1 once it serves (kvsidecar.notify),
+Readiness is an event, not a guess: the daemon tells its NOTIFY_SOCKET READY=1 once it serves (kvsidecar.daemon.notify),
 and a storage node listens on its port only after it has mounted its segment. Waits take a clock and a backoff.
 """
 
@@ -77,6 +77,7 @@ class Daemon:
         local_buffer_size: str | None = "16MiB",
         log_level: str = "debug",
         extra: Sequence[str] = (),
+        allow_shm_names: bool = False,
         env: Mapping[str, str] | None = None,
         python: str | os.PathLike[str] = sys.executable,
         mooncake: MooncakeEnv | None = None,
@@ -92,6 +93,8 @@ class Daemon:
         self.local_buffer_size = local_buffer_size
         self.log_level = log_level
         self.extra = tuple(extra)
+        # Raw test ranks register named /dev/shm segments: a right granted only explicitly, as to trusted ranks.
+        self.allow_shm_names = allow_shm_names
         self.env = dict(env or {})
         self.python = str(python)
         self.clock, self.backoff = clock, backoff
@@ -142,6 +145,8 @@ class Daemon:
             args += ["--session-ttl", f"{self.session_ttl:g}"]
         if self.master:
             args += ["--master", self.master]
+        if self.allow_shm_names:
+            args += ["--allow-shm-names"]
         return args + list(self.extra)
 
     def start(self, timeout: float = START_TIMEOUT_S) -> Daemon:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from netns import Fabric, Node, free_subnet, require_root
 
-from kvsidecar.master import find_master_binary
+from kvsidecar.daemon.master import find_master_binary
 
 # A subnet of its own per run, so two runs on one machine never share addresses.
 SUBNET = free_subnet(range(200, 250))

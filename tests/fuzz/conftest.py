@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsidecar.master import EmbeddedMaster
+from kvsidecar.daemon.master import EmbeddedMaster
 from support.fuzzdaemon import FuzzDaemon
 from support.fuzzwire import SENT, Wire
 from support.goodclient import GoodClient

@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.tenants import hash_token
+from kvsidecar.tenancy.table import hash_token
 from kvsidecar_client import TcpAuth
 from kvsidecar_client._side import side_socket_for
 from kvsidecar_contract.paths import TICKET_METADATA

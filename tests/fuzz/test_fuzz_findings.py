@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvsidecar.master import EmbeddedMaster
-from kvsidecar.store import StoreUnavailable
+from kvsidecar.daemon.master import EmbeddedMaster
+from kvsidecar.errors import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzdaemon import FuzzDaemon
@@ -241,7 +241,7 @@ class SlowStore(MemoryStore):
 @pytest.fixture
 def slow(tmp_path) -> Iterator[tuple[InProcessDaemon, SlowStore]]:
     store = SlowStore()
-    daemon = InProcessDaemon(tmp_path, store, session_ttl=1.0).start()
+    daemon = InProcessDaemon(tmp_path, store, session_ttl=1.0, allow_shm_names=True).start()
     yield daemon, store
     daemon.stop()
 
@@ -323,7 +323,8 @@ def test_fuzz_finding_keepalive_does_not_stall_other_tenants(tmp_path):
     health_check is a call to the master, so one client's keep-alive with a slow master stalls every other RPC of
     every tenant (here a 2 s health check delays another session's lookup by ~1.8 s)."""
     store = SlowStore()
-    daemon = InProcessDaemon(tmp_path, store).start()  # the default lease: no session expires meanwhile
+    # The default lease: no session expires meanwhile.
+    daemon = InProcessDaemon(tmp_path, store, allow_shm_names=True).start()
     wire = Wire(daemon.target)
     try:
         a = wire.rpc("OpenSession", open_request([ATTN], model="org/A")).response.session_id

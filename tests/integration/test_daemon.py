@@ -39,9 +39,9 @@ def daemon(mooncake_master, tmp_path, request):
     # The testing Daemon's lease is long; a test about expiry asks for a short one (indirect parametrize).
     ttl = getattr(request, "param", None)
     d = (
-        Daemon(tmp_path, master=mooncake_master.address, session_ttl=ttl)
+        Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address, session_ttl=ttl)
         if ttl
-        else Daemon(tmp_path, master=mooncake_master.address)
+        else Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address)
     ).start()
     yield d
     assert d.stop() == 0, d.log()
@@ -341,7 +341,7 @@ def test_stale_socket_is_taken_over_and_a_live_one_is_not(mooncake_master, tmp_p
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
     stale.close()  # a crashed daemon leaves its socket file behind
-    d = Daemon(tmp_path, master=mooncake_master.address).start()
+    d = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
     try:
         assert oct(os.stat(path).st_mode & 0o777) == "0o660"
         second = subprocess.run(

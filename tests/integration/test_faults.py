@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import torch
 
-from kvsidecar.master import EmbeddedMaster
+from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store import StoreCode
 from kvsidecar.testing.processes import Daemon, StorageNode
 from kvsidecar.testing.waiting import wait_until
@@ -45,7 +45,9 @@ def own_master():
 
 
 def test_full_store_fails_saves_softly_and_keeps_serving(own_master, tmp_path):
-    daemon = Daemon(tmp_path, master=own_master.address, extra=("--segment-size", "16MiB")).start()
+    daemon = Daemon(
+        tmp_path, allow_shm_names=True, master=own_master.address, extra=("--segment-size", "16MiB")
+    ).start()
     rank = RawRank(daemon.target, open_request([group("mla", 16)], model="org/Full"), num_blocks=48, block_bytes=MiB)
     try:
         rank.register()
@@ -73,7 +75,7 @@ def test_full_store_fails_saves_softly_and_keeps_serving(own_master, tmp_path):
 
 
 def test_a_hit_is_protected_by_its_lease_until_the_load(own_master, tmp_path, connect_mooncake, mooncake_settings):
-    daemon = Daemon(tmp_path, master=own_master.address).start()
+    daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address).start()
     rank = RawRank(daemon.target, open_request([group("full_attention", 16)], model="org/Lease"), 8, 4096)
     other = connect_mooncake(mooncake_settings(own_master, global_segment_size=0))
     try:
@@ -101,7 +103,7 @@ def test_a_hit_is_protected_by_its_lease_until_the_load(own_master, tmp_path, co
 def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_master, tmp_path):
     node = StorageNode(own_master.address, tmp_path).start()
     daemon_args = ("--segment-size", "0")  # the storage node holds the data, so it outlives the daemon
-    daemon = Daemon(tmp_path, master=own_master.address, extra=daemon_args).start()
+    daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address, extra=daemon_args).start()
     kv = shared_tensor((64, 16, 512), torch.float32)  # 32 KiB blocks
     client = SidecarClient.connect(
         daemon.target, model="org/Crash", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
@@ -127,7 +129,7 @@ def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_m
         with pytest.raises(DaemonUnavailable):
             client.load(early, [list(range(56, 64))], before)
 
-        daemon = Daemon(tmp_path, master=own_master.address, extra=daemon_args).start()
+        daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address, extra=daemon_args).start()
         seen = []
 
         def full_hit():
@@ -159,7 +161,7 @@ RANK_SCRIPT = textwrap.dedent(
 
 
 def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
-    daemon = Daemon(tmp_path, master=mooncake_master.address, session_ttl=3).start()
+    daemon = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address, session_ttl=3).start()
     survivor = SidecarClient.connect(  # a live rank: its client keeps its lease
         daemon.target, model="org/Survivor", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
         groups=[ClientGroup("mla", block_size=16)],
@@ -196,7 +198,7 @@ def test_master_killed_during_traffic_no_wrong_bytes_and_recovery(tmp_path):
     from kvsidecar.testing.processes import free_port
 
     master = EmbeddedMaster(rpc_port=free_port(), metrics_port=free_port()).start()
-    daemon = Daemon(tmp_path, master=master.address).start()
+    daemon = Daemon(tmp_path, allow_shm_names=True, master=master.address).start()
     kv = shared_tensor((64, 16, 256), torch.float32)  # 16 KiB blocks: 0..31 saved from, 32..63 loaded into
     client = SidecarClient.connect(
         daemon.target, model="org/Traffic", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.master import EmbeddedMaster, MasterError, find_master_binary, free_ports
-from kvsidecar.store.native import NativeLibraryError, ensure_native_libs, native_dir, preload_from
+from kvsidecar.daemon.master import EmbeddedMaster, find_master_binary, free_ports
+from kvsidecar.errors import MasterError, NativeLibraryError
+from kvsidecar.store.native import ensure_native_libs, native_dir, preload_from
 
 pytestmark = pytest.mark.integration
 
@@ -137,7 +138,7 @@ def test_the_master_gets_a_parent_death_signal_and_runs_none_of_the_daemons_fork
     driver = textwrap.dedent(
         f"""
         import os
-        from kvsidecar.master import EmbeddedMaster, MasterError
+        from kvsidecar.daemon.master import EmbeddedMaster, MasterError
         os.register_at_fork(after_in_child=lambda: open({str(marker)!r}, "w").close())
         try:
             EmbeddedMaster(binary={fake!r}, rpc_port={rpc_port}, metrics_port={metrics_port}).start()

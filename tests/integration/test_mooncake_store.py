@@ -13,8 +13,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvsidecar.master import EmbeddedMaster
-from kvsidecar.store import Presence, StoreCode, StoreError, StoreUnavailable
+from kvsidecar.daemon.master import EmbeddedMaster
+from kvsidecar.errors import StoreError, StoreUnavailable
+from kvsidecar.store import Presence, StoreCode
 from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore, prefix_regex
 
 # Master-down calls return after ~4.6 s (measured); anything near this bound is a hang.

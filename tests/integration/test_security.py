@@ -35,7 +35,7 @@ def tcp_daemon(mooncake_master, tmp_path, pki):
     token.chmod(0o600)
     port = free_port()
     d = Daemon(
-        tmp_path,
+        tmp_path, allow_shm_names=True,
         master=mooncake_master.address,
         extra=(
             "--listen", f"127.0.0.1:{port}",
@@ -130,7 +130,10 @@ def test_tcp_never_runs_open(tmp_path, flags, reason):
 def test_socket_mode_and_group(mooncake_master, tmp_path):
     group_name = grp.getgrgid(os.getgid()).gr_name
     d = Daemon(
-        tmp_path, master=mooncake_master.address, extra=("--socket-mode", "0600", "--socket-group", group_name)
+        tmp_path,
+        allow_shm_names=True,
+        master=mooncake_master.address,
+        extra=("--socket-mode", "0600", "--socket-group", group_name),
     ).start()
     try:
         st = os.stat(d.socket)
@@ -142,7 +145,7 @@ def test_socket_mode_and_group(mooncake_master, tmp_path):
 
 
 def test_tenants_never_see_each_others_blocks(mooncake_master, tmp_path):
-    d = Daemon(tmp_path, master=mooncake_master.address).start()
+    d = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
     hashes = [bytes([7]) * 32, bytes([8]) * 32]
     a = RawRank(d.target, open_request([group("full_attention", 16)], model="org/M", prefix="tenant-a"), 4, 512)
     b = RawRank(d.target, open_request([group("full_attention", 16)], model="org/M", prefix="tenant-b"), 4, 512)

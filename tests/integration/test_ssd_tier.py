@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.master import EmbeddedMaster
-from kvsidecar.ssd import inventory, listed_keys
+from kvsidecar.daemon.master import EmbeddedMaster
+from kvsidecar.tiers.directory import inventory, listed_keys
 from support import ssd_rank
 from support.processes import DaemonProcess, free_port
 

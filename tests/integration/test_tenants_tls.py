@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsidecar.tenants import hash_token
+from kvsidecar.tenancy.table import hash_token
 from kvsidecar_client import (
     EngineLayout,
     GroupSpec,

@@ -22,7 +22,7 @@ from collections import Counter
 
 import pytest
 
-from kvsidecar.master import EmbeddedMaster
+from kvsidecar.daemon.master import EmbeddedMaster
 from support.fuzzdaemon import FuzzDaemon
 from support.soakengine import ENGINE_A, ENGINE_B, EngineLoop, Faults, Prompts, Tally, kill_leftovers
 from support.soakhostile import Hostile

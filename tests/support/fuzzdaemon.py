@@ -25,8 +25,15 @@ class FuzzDaemon(Daemon):
     def __init__(
         self, workdir: Path, *, master: str, session_ttl: float = 120.0, headroom: int = 4 * GiB, extra=()
     ) -> None:
+        # The fuzzers' ranks register guarded named /dev/shm segments: the trusted ranks' right, granted here.
         super().__init__(
-            workdir, master=master, session_ttl=session_ttl, segment_size="256MiB", log_level="info", extra=extra
+            workdir,
+            master=master,
+            session_ttl=session_ttl,
+            segment_size="256MiB",
+            log_level="info",
+            extra=extra,
+            allow_shm_names=True,
         )
         self.headroom = headroom
         self._channel: grpc.Channel | None = None

@@ -7,9 +7,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from kvsidecar.config import Config
-from kvsidecar.metrics import Metrics
-from kvsidecar.server import Daemon
+from kvsidecar.daemon.process import Daemon
 
 
 class InProcessDaemon:
@@ -18,7 +19,7 @@ class InProcessDaemon:
     def __init__(self, workdir: Path, store: Any, **settings: Any) -> None:
         self.config = Config(socket=str(workdir / "d.sock"), metrics_address="127.0.0.1:0", **settings)
         self.store = store
-        self.metrics = Metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
         self.daemon: Daemon | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -47,13 +48,13 @@ class InProcessDaemon:
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
         """The current value of one metric sample."""
-        value = self.metrics.registry.get_sample_value(name, labels or {})
+        value = self.registry.get_sample_value(name, labels or {})
         return 0.0 if value is None else value
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.daemon = Daemon(self.config, store=self.store, metrics=self.metrics)
+        self.daemon = Daemon(self.config, store=self.store, registry=self.registry)
         try:
             await self.daemon.start()
         except BaseException as exc:

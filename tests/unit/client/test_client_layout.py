@@ -154,7 +154,7 @@ def test_model_key_is_the_last_path_component():
 )
 def test_the_client_refuses_a_layout_with_the_daemons_own_message(overrides, reason):
     """What the client refuses before connecting, the daemon refuses in the same words (one implementation)."""
-    from kvsidecar import wire
+    from kvsidecar.rpc import wire
     from kvsidecar_contract.placement import PlacementError
 
     fields = dict(model="org/Model", parallel=dict(tp_size=2), num_kv_heads=2, hash_block_size=16, groups=GROUPS)

@@ -1,7 +1,7 @@
 """Cross-check: what the vLLM connector thinks a Load writes and a Save reads is what the daemon's plans do.
 
 Random layouts (every kind, uniform groups, windows, TP with DCP, U), random hits, start tokens and block tables
-with vLLM null blocks. The daemon side is its own path: the client's OpenSession message parsed by kvsidecar.wire,
+with vLLM null blocks. The daemon side is its own path: the client's OpenSession message parsed by kvsidecar.rpc.wire,
 then the placement core's load and save plans. Runs without vLLM.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar import wire
+from kvsidecar.rpc import wire
 from kvsidecar_client import EngineLayout, GroupSpec, SessionSpec
 from kvsidecar_client.vllm.plan import check_save, load_block_ids, saved_chunks, shape_of
 from kvsidecar_contract.placement import Geometry, Kind, Layout, load_plan, save_plan

@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from kvsidecar.config import Config, ConfigError, add_flags, default_socket_path, from_args, parse_size
+from kvsidecar.config import Config, add_flags, default_socket_path, from_args, parse_size
+from kvsidecar.errors import ConfigError
 
 
 def parse(*argv: str) -> Config:

@@ -1,0 +1,136 @@
+"""`kvsidecar status`: ask a running daemon for health, sessions, store health and counters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvsidecar.rpc.servers import SERVICE_NAME
+from kvsidecar_client import SidecarError, TcpAuth
+from kvsidecar_client._channel import make_channel
+from kvsidecar_client._side import side_socket_for
+from kvsidecar_contract.proto import sidecar_pb2, sidecar_pb2_grpc
+
+EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2
+
+
+def query(target: str, timeout: float, auth: TcpAuth | None = None) -> dict[str, Any]:
+    """Health of the daemon and of its store, and its stats; raises grpc.RpcError when unreachable."""
+    with make_channel(target, auth=auth) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        daemon = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        sidecar = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        # Over the Unix socket, a side-socket ticket tells the daemon our uid: a tenant sees its own sessions.
+        side = side_socket_for(target) if auth is None else None
+        try:
+            metadata = tuple(side.metadata(timeout)) if side is not None else ()
+        except SidecarError:
+            metadata = ()  # an older daemon without a side socket, or one still starting
+        stub = sidecar_pb2_grpc.SidecarStub(channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        try:
+            stats = stub.Stats(sidecar_pb2.StatsRequest(), timeout=timeout, metadata=metadata or None)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            # A caller that is no tenant's (a probe under another uid) still learns the daemon's health.
+            stats = sidecar_pb2.StatsResponse(
+                daemon_version="?",
+                store_healthy=sidecar.status == serving,
+                store_detail="from the health service",
+                tenancy=f"multi-tenant (Stats refused: {exc.details()})",
+            )
+    return {
+        "address": target,
+        "serving": daemon.status == serving,
+        "store_serving": sidecar.status == serving,
+        **MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+    }
+
+
+def render(info: dict[str, Any]) -> str:
+    """A short human summary."""
+    lines = [
+        f"kvsidecar {info['daemon_version']} at {info['address']}: "
+        + ("serving" if info["serving"] else "NOT serving")
+        + f", up {info['uptime_seconds']:.0f}s",
+        f"store: {'healthy' if info['store_healthy'] else 'UNHEALTHY'} ({info['store_detail']}), "
+        f"master {info['master_address'] or '-'}",
+        f"tenancy: {info.get('tenancy') or 'single-tenant'}"
+        + (f" (you: tenant {info['caller_tenant']})" if info.get("caller_tenant") else ""),
+        f"sessions: {len(info['sessions'])}",
+    ]
+    for s in info["sessions"]:
+        p = s["parallel"]
+        lines.append(
+            f"  {s['session_id_prefix']}  {s['role'].removeprefix('ROLE_').lower():9}  {s['model']}"
+            f"  tp {p['tp_rank']}/{p['tp_size']} pp {p['pp_rank']}/{p['pp_size']}"
+            f"  {int(s['mapped_bytes']) / 2**20:.1f} MiB  {s['client_name']}"
+            + (f"  tenant {s['tenant']}" if s.get("tenant") else "")
+        )
+    if info.get("listeners"):
+        lines.append("listeners:")
+        for item in info["listeners"]:
+            drops = int(item["dropped_packets"])
+            refused = f", refused {drops} packets" if drops else ""
+            lines.append(f"  {item['role']:18} {item['address']:28} allowed: {item['allowed']}{refused}")
+    if info["counters"]:
+        lines.append("counters:")
+        lines += [f"  {k} {v:g}" for k, v in sorted(info["counters"].items())]
+    return "\n".join(lines)
+
+
+def run(
+    target: str, *, timeout: float, as_json: bool, quiet: bool, live_only: bool, auth: TcpAuth | None = None
+) -> int:
+    """Print the status; the exit code says whether the daemon (and, unless live_only, its store) is healthy."""
+    try:
+        info = query(target, timeout, auth)
+    except grpc.RpcError as exc:
+        if not quiet:
+            print(f"kvsidecar status: no daemon answers at {target}: {exc.code().name}: {exc.details()}")
+        return EXIT_UNREACHABLE
+    if not quiet:
+        print(json.dumps(info, indent=2) if as_json else render(info))
+    if not info["serving"]:
+        return EXIT_UNREACHABLE
+    if live_only or (info["store_healthy"] and info["store_serving"]):
+        return EXIT_HEALTHY
+    return EXIT_STORE_DOWN
+
+
+def command(args: argparse.Namespace) -> int:
+    from kvsidecar_client import TcpAuth
+
+    target = args.address or f"unix://{args.socket}"
+    auth = None
+    if args.address and (args.tls_ca or args.tls_cert or args.token_file):
+        auth = TcpAuth.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
+    return run(target, timeout=args.timeout, as_json=args.json, quiet=args.quiet, live_only=args.live, auth=auth)
+
+
+def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvsidecar_contract.paths import default_socket_path
+
+    p = sub.add_parser(
+        "status",
+        help="ask a running daemon how it is",
+        description="Health, sessions, store health and counters of a running daemon. Exit 0: healthy; "
+        "1: the daemon answers but its store does not; 2: no daemon answers.",
+    )
+    p.add_argument("--socket", default=default_socket_path(), help="the daemon's Unix socket (default: %(default)s)")
+    p.add_argument("--address", default="", help="the daemon's TCP listener instead of the socket, e.g. 10.0.0.5:50070")
+    p.add_argument("--tls-ca", default="", help="with --address: PEM CA that signed the daemon's certificate")
+    p.add_argument("--tls-cert", default="", help="with --address: PEM client certificate")
+    p.add_argument("--tls-key", default="", help="with --address: PEM client key")
+    p.add_argument("--token-file", default="", help="with --address: file holding the bearer token")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for answers (default 3)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--quiet", action="store_true", help="print nothing; only the exit code")
+    p.add_argument("--live", action="store_true", help="healthy when the daemon answers, even if its store does not")
+    p.set_defaults(func=command)

@@ -1,0 +1,308 @@
+"""The running daemon: embedded master, store, fence, metrics endpoint and gRPC servers, started and stopped in order.
+
+Every part is built with what it needs, in dependency order; nothing is wired into another part after it is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kvsidecar import __version__
+from kvsidecar.config import Config, parse_address
+from kvsidecar.daemon import notify
+from kvsidecar.daemon.sockets import claim_socket, socket_gid
+from kvsidecar.datapath.transfers import DataPath
+from kvsidecar.errors import ConfigError, DaemonError, FenceError
+from kvsidecar.fence.daemon import DaemonFence, policy_for
+from kvsidecar.metrics import Metrics
+from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
+from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar.rpc.side import SideChannel
+from kvsidecar.sessions.registry import SessionRegistry
+from kvsidecar.store import Store
+from kvsidecar.tenancy.live import Tenancy
+from kvsidecar.tiers.disk import DiskTier
+from kvsidecar_contract.paths import side_socket_path
+
+__all__ = ["HOUSEKEEPING_INTERVAL_S", "SHUTDOWN_GRACE_S", "Daemon", "serve"]
+
+log = logging.getLogger("kvsidecar")
+
+HOUSEKEEPING_INTERVAL_S = 1.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+class Daemon:
+    """One kvsidecar process. Pass `store` to run over a given store (tests); by default it builds Mooncake's.
+
+    Whatever the store, the daemon fences its listeners and, with --ssd-dir, keeps its disk tier.
+    """
+
+    def __init__(
+        self, config: Config, *, store: Store | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.config = config
+        # A disk tier (Mooncake's offload) reads this node's own disk blocks through Mooncake's offload RPC server
+        # over loopback, so with one the single-node fence lets loopback in (as the multi-node one always does).
+        single_node = not config.master and not config.ssd_dir
+        self.fence = DaemonFence(
+            policy_for(embedded_master=single_node, peer_networks=config.peer_network), self._master_admin_url
+        )
+        self.metrics = Metrics(registry, listener_drops=self.fence.dropped)
+        self._store = store
+        self.master: Any = None
+        self.master_address = config.master
+        self.addresses: list[str] = []
+        self.metrics_url = ""
+        self._httpd: Any = None
+        self._servers: list[grpc.aio.Server] = []
+        self._health: health_aio.HealthServicer | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
+        self.service: SidecarService | None = None
+        self.side: SideChannel | None = None
+        self.tenancy: Tenancy | None = None
+        self.disk_tier: DiskTier | None = None
+        self.failure = ""  # why the daemon stopped itself, if it did
+
+    async def start(self) -> None:
+        """Start everything; on failure, stop what was started and raise DaemonError."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        claim_socket(cfg.socket)  # fail before starting a master if another daemon owns the socket
+        try:
+            self.tenancy = Tenancy(self.metrics, cfg.tenants, allow_shm_names=cfg.allow_shm_names)
+        except ConfigError as exc:
+            raise DaemonError(str(exc)) from None
+        if cfg.ssd_dir:
+            self.disk_tier = DiskTier(cfg, self.metrics, self._master_metrics_url)
+        if self._store is None:
+            if not cfg.master:
+                self._start_master()
+            elif self.disk_tier is not None:
+                await self.disk_tier.wait_for_master_to_forget()
+            self._store = await loop.run_in_executor(None, self._open_store)
+        store = self._store
+        if self.disk_tier is not None:
+            await loop.run_in_executor(None, self.disk_tier.report_recovery, store)
+        host, port = parse_address(cfg.metrics_address)
+        try:
+            self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
+        except OSError as exc:
+            raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
+        self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
+        # Built in dependency order: the store's buffer registration into the sessions, both into the service.
+        sessions = SessionRegistry(
+            cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
+        )
+        tenancy = self.tenancy
+        datapath = DataPath(store, self.metrics, budget_of=tenancy.budget, count_tiers=self.disk_tier is not None)
+        self.service = SidecarService(
+            datapath,
+            sessions,
+            tenancy,
+            self.metrics,
+            workers=cfg.workers,
+            master_address=self.master_address,
+            side_socket=True,
+            listeners=self.fence.listeners_with_drops,
+        )
+        gid = socket_gid(cfg)
+        self._servers, self._health, self.addresses = create_servers(self.service, cfg, self.metrics, gid)
+        self.side = SideChannel(side_socket_path(cfg.socket), tenancy.tickets, sessions.accept_fds)
+        self.side.bind(cfg.socket_mode, gid)
+        self.side.start()
+        for server in self._servers:
+            await server.start()
+        self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics)
+        await self._check_store()
+        self._housekeeping = asyncio.create_task(self._housekeep())
+        extra = f" tcp+tls {self.addresses[1]}" if len(self.addresses) > 1 else ""
+        origin = "embedded" if self.master is not None else "external"
+        log.info(
+            "kvsidecar %s ready: grpc %s%s, metrics %s, mooncake master %s (%s), %s",
+            __version__,
+            self.addresses[0],
+            extra,
+            self.metrics_url,
+            self.master_address or "none",
+            origin,
+            tenancy.table.describe(),
+        )
+        notify.ready(f"serving on {self.addresses[0]}")
+
+    def _master_admin_url(self) -> str:
+        """The embedded master's admin HTTP address while it runs ("" without one)."""
+        return self.master.metrics_url if self.master is not None else ""
+
+    def _master_metrics_url(self) -> str | None:
+        """The embedded master's metrics while it is alive: only its numbers are this node's alone."""
+        return self.master.metrics_url if self.master is not None and self.master.alive() else None
+
+    def _start_master(self) -> None:
+        from kvsidecar.daemon.master import EmbeddedMaster
+        from kvsidecar.store.native import ensure_native_libs
+
+        # Started from the event loop's thread, which lives as long as the daemon: the master is told to stop
+        # by the kernel if the daemon dies without stopping it (see EmbeddedMaster).
+        self.master = EmbeddedMaster(
+            binary=self.config.master_binary or None,
+            lease_ttl_ms=self.config.master_lease_ttl_ms,
+            env=ensure_native_libs(),
+            offload=bool(self.config.ssd_dir),
+        )
+        self.master.start()
+        self.master_address = self.master.address
+
+    def _open_store(self) -> Store:
+        # Mooncake is imported only here (and in the store package): the rest of the daemon runs without it.
+        from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
+        from kvsidecar.store.native import ensure_native_libs
+
+        cfg = self.config
+        ensure_native_libs()
+        # Mooncake's own environment variables, set at the edge: stay on loopback when the node is loopback.
+        if cfg.local_hostname in ("127.0.0.1", "localhost", "::1"):
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        # A hung master must not hold a worker thread for Mooncake's default 30 s: lookups degrade to misses.
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", "5000")
+        settings = MooncakeSettings(
+            local_hostname=cfg.local_hostname,
+            metadata_server=cfg.metadata_server,
+            master_server_addr=self.master_address,
+            global_segment_size=cfg.segment_size,
+            local_buffer_size=cfg.local_buffer_size,
+            protocol=cfg.protocol,
+            rdma_devices=cfg.rdma_devices,
+            replica_num=cfg.replicas,
+            ssd_offload_path=self.disk_tier.environ() if self.disk_tier else "",
+        )
+        # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
+        try:
+            return self.fence.open_store(lambda: MooncakeStore.connect(settings), lambda store: store.close())
+        except FenceError as exc:
+            raise DaemonError(f"refusing to run: {exc}") from None
+
+    async def _check_store(self) -> None:
+        assert self.service is not None and self._health is not None
+        health = await asyncio.get_running_loop().run_in_executor(None, self.service.refresh_health)
+        self.metrics.store_healthy.set(1 if health.healthy else 0)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set("", serving)
+        # The Sidecar service answers even when the store is down (lookups miss); its health says so.
+        await self._health.set(SERVICE_NAME, serving if health.healthy else not_serving)
+
+    async def _housekeep(self) -> None:
+        assert self.service is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+            await loop.run_in_executor(None, self.service.sessions.expire)
+            if self.disk_tier is not None:
+                await loop.run_in_executor(None, self.disk_tier.housekeep)
+            if not await self._sweep_fence():
+                return
+            if self.master is not None and not self.master.alive():
+                self._restart_master()
+            await self._check_store()
+
+    async def _sweep_fence(self) -> bool:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.fence.sweep)
+        except FenceError as exc:
+            # Fail closed: a Mooncake port that cannot be fenced hands engine memory to the network.
+            self.failure = f"stopping: {exc}"
+            log.critical("%s", self.failure)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return False
+        return True
+
+    def _restart_master(self) -> None:
+        # On the event loop's thread on purpose (see _start_master); a restart takes a fraction of a second.
+        log.error("embedded mooncake_master (PID %s) died: restarting it on %s", self.master.pid, self.master_address)
+        try:
+            self.master.restart()
+        except Exception as exc:
+            log.error("could not restart the embedded master (next try in %.0f s): %s", HOUSEKEEPING_INTERVAL_S, exc)
+            return
+        log.info("embedded mooncake_master restarted as PID %s; its store starts empty", self.master.pid)
+
+    def reload_tenants(self) -> None:
+        """Read the tenants file again (SIGHUP): new sessions get the new rights; a bad file keeps the old ones."""
+        if self.tenancy is None:
+            return
+        if not self.tenancy.path:
+            log.info("SIGHUP: no tenants file to reload (single-tenant)")
+            return
+        try:
+            table = self.tenancy.reload()
+        except ConfigError as exc:
+            log.error("SIGHUP: tenants file not reloaded, the old rights stay: %s", exc)
+            return
+        log.info("SIGHUP: tenants reloaded: %s", table.describe())
+
+    async def stop(self) -> None:
+        """Stop in reverse order: refuse new work, drain, release sessions, close the store, stop the master."""
+        notify.stopping()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeping
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.service is not None:
+            self.service.stop_accepting()
+        await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
+        if self.side is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
+        loop = asyncio.get_running_loop()
+        if self.service is not None:
+            await loop.run_in_executor(None, self.service.sessions.close_all)
+            await loop.run_in_executor(None, self.service.shutdown_pools)
+        if self._store is not None:
+            await loop.run_in_executor(None, self._store.close)
+        self.fence.release()
+        if self.master is not None:
+            await loop.run_in_executor(None, self.master.stop)
+        if self.disk_tier is not None:
+            self.disk_tier.release()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        if self._servers:
+            Path(self.config.socket).unlink(missing_ok=True)
+
+
+async def serve(config: Config) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
+    daemon = Daemon(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
+    await daemon.start()
+    await stop.wait()
+    log.info("kvsidecar stopping")
+    await daemon.stop()
+    if daemon.failure:
+        raise DaemonError(daemon.failure)

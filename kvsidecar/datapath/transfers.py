@@ -1,0 +1,345 @@
+"""Save, lookup, load and reset: placement plans carried out against the store and engine memory.
+
+Synchronous by design: the service runs these in worker threads, off the event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TypeVar
+
+from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
+from kvsidecar.datapath.backoff import NoSpaceBackoff
+from kvsidecar.errors import StoreError
+from kvsidecar.memory.regions import SessionMemory
+from kvsidecar.metrics import Metrics
+from kvsidecar.reasons import Reason
+from kvsidecar.sessions.session import Session
+from kvsidecar.store import Presence, Store, StoreCode
+from kvsidecar.tenancy.budget import WriteBudget
+from kvsidecar.tiers.holdings import count_tier_hits
+from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, SaveArgs, SaveOutcome
+from kvsidecar_contract.placement import (
+    KEY_TAIL_PATTERN,
+    NO_BLOCK,
+    Chunk,
+    Hit,
+    SavePlan,
+    StagedLookup,
+    key_prefix,
+    load_plan,
+    save_plan,
+)
+
+__all__ = ["DataPath"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Buffers = tuple[list[int], list[int]]  # a value's slices in engine memory: addresses and sizes
+
+
+class DataPath:
+    """Runs each request's plan with one batch call per step, and counts everything for operators."""
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        backoff: NoSpaceBackoff | None = None,
+        budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
+        count_tiers: bool = False,
+    ) -> None:
+        """budget_of gives a tenant's write budget; count_tiers asks the store where each loaded key was (the disk
+        tier's hit metrics: one metadata call per load, so only with a disk tier)."""
+        self.store = store
+        self.metrics = metrics
+        self.backoff = backoff or NoSpaceBackoff()
+        self._count_tiers = count_tiers
+        self._budget_of = budget_of
+
+    def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
+        """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
+
+        deadline (time.monotonic()) is the client's: past it the engine may reuse the blocks, so a put that has
+        not started is skipped, and values written after it are removed again rather than served as wrong bytes.
+        """
+        (out,) = self.save_many(session, [request], deadline)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def save_many(
+        self, session: Session, requests: Sequence[SaveArgs], deadline: float | None = None
+    ) -> list[SaveOutcome | Exception]:
+        """Several requests' saves (an engine step) with one existence check and one batch put for all of them.
+
+        Each request is planned on its own: one whose plan is refused (bad block ids, inconsistent counts) gets
+        its error in its place and the others go on. Results are each request's own, as `save` would answer it.
+        """
+        memory = session.require_memory()
+        out: list[SaveOutcome | Exception | None] = [None] * len(requests)
+        plans: list[tuple[int, SavePlan]] = []
+        for i, r in enumerate(requests):
+            try:
+                plan = save_plan(session.geometry, r.hashes, r.block_ids, r.num_tokens, r.saved)
+            except Exception as exc:
+                out[i] = exc
+                continue
+            if plan.chunks:
+                plans.append((i, plan))
+            else:
+                out[i] = SaveOutcome(0, 0, (), plan.others, 0, plan.absent)
+        if plans:
+            with _holding(memory):
+                staged: list[tuple[int, SavePlan, list[Buffers]]] = []
+                for i, plan in plans:
+                    try:
+                        staged.append((i, plan, [memory.buffers(c.group, c.block_id) for c in plan.chunks]))
+                    except Exception as exc:
+                        out[i] = exc
+                chunks = [c for _, plan, _ in staged for c in plan.chunks]
+                buffers = [b for _, _, bufs in staged for b in bufs]
+                results = self._put_missing(session, memory, chunks, buffers, deadline) if chunks else []
+            start = 0
+            for i, plan, _ in staged:
+                end = start + len(plan.chunks)
+                if isinstance(results, StoreCode):  # the existence check failed: nothing was written
+                    out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
+                else:
+                    out[i] = save_outcome(self.metrics, session, memory, plan, results[start:end])
+                start = end
+        return _filled(out)
+
+    def _put_missing(
+        self,
+        session: Session,
+        memory: SessionMemory,
+        chunks: Sequence[Chunk],
+        buffers: Sequence[Buffers],
+        deadline: float | None,
+    ) -> list[ChunkResult] | StoreCode:
+        """Per chunk: PRESENT (already stored), WRITTEN, or why its write failed; a StoreCode if none was asked."""
+        keys = [c.key for c in chunks]
+        try:
+            with self._timed("exists"):
+                presence = self.store.exists(keys)
+        except StoreError as exc:
+            self.metrics.store_errors.labels("exists", exc.code.value).inc()
+            return exc.code
+        results: list[ChunkResult] = [Saved.PRESENT] * len(chunks)
+        # A key twice in one batch (two requests of a step computing the same prefix) is written once, and its
+        # repeat shares the outcome: the bytes behind one key are the same whichever block holds them.
+        first: dict[str, int] = {}
+        todo: list[int] = []
+        repeats: list[tuple[int, int]] = []
+        for j, p in enumerate(presence):
+            if p is not Presence.PRESENT:
+                if keys[j] in first:
+                    repeats.append((j, first[keys[j]]))
+                else:
+                    first[keys[j]] = j
+                    todo.append(j)
+        # A tenant past its write budget writes the values that fit, in prompt order; the rest are skipped,
+        # so its floods cannot evict every other tenant's working set.
+        budget = self._budget_of(session.tenant) if session.tenant else None
+        if budget is not None and todo:
+            fit = budget.admit([memory.value_bytes[chunks[j].group] for j in todo])
+            for j in todo[fit:]:
+                results[j] = Reason.TENANT_BUDGET
+            todo = todo[:fit]
+        if _past(deadline):
+            codes = [StoreCode.DEADLINE_EXCEEDED] * len(todo)
+        elif todo and self.backoff.active():
+            # A full store is evicting in the background; hammering it only slows that down.
+            codes = [StoreCode.NO_SPACE] * len(todo)
+        else:
+            try:
+                with self._timed("put"):
+                    codes = self.store.put_from(
+                        [keys[j] for j in todo], [buffers[j][0] for j in todo], [buffers[j][1] for j in todo]
+                    )
+            except StoreError as exc:
+                self.metrics.store_errors.labels("put", exc.code.value).inc()
+                codes = [exc.code] * len(todo)
+            if todo:
+                self.backoff.record(StoreCode.NO_SPACE in codes)
+            if _past(deadline):
+                codes = self._revoke([keys[j] for j in todo], codes)
+        for j, code in zip(todo, codes, strict=True):
+            # EXISTS: a concurrent save won the race; same bytes.
+            results[j] = Saved.WRITTEN if code in (StoreCode.OK, StoreCode.EXISTS) else Reason.of(code)
+        for j, f in repeats:
+            results[j] = results[f]
+        return results
+
+    def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
+        """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
+        geo = session.geometry
+        num_tokens = request.num_tokens
+        staged = StagedLookup(geo, request.hashes, num_tokens, eagle=request.eagle)
+        self.metrics.lookup_tokens.inc(num_tokens)
+        if session.tenant:
+            self.metrics.tenant_lookup_tokens.labels(session.tenant).inc(num_tokens)
+        unknown = 0
+        while not staged.done:
+            keys = staged.next_keys()
+            if not keys:
+                staged.record(())
+                continue
+            try:
+                with self._timed("exists"):
+                    presence = self.store.exists(keys)
+            except StoreError as exc:
+                self.metrics.store_errors.labels("exists", exc.code.value).inc()
+                self.metrics.lookup_requests.labels("degraded").inc()
+                return LookupOutcome(Hit(0, (0,) * len(geo.groups)), True, f"store unavailable: {exc.reason}")
+            # C-level passes: a full hit on a 128k-token prompt at T=8 with three groups probes ~140k keys.
+            staged.record(list(map(operator.is_, presence, itertools.repeat(Presence.PRESENT))))
+            unknown += presence.count(Presence.UNKNOWN)
+        hit = staged.answer()
+        self.metrics.lookup_hit_tokens.inc(hit.tokens)
+        if session.tenant:
+            self.metrics.tenant_lookup_hit_tokens.labels(session.tenant).inc(hit.tokens)
+        # Unanswered probes count as missing (never as hits); the answer says it may be shorter than the truth.
+        if unknown:
+            self.metrics.lookup_requests.labels("degraded").inc()
+            return LookupOutcome(hit, True, f"{unknown} of {staged.probes} existence probes failed")
+        self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
+        return LookupOutcome(hit, False, "")
+
+    def load(self, session: Session, request: LoadArgs) -> LoadOutcome:
+        """Read the hit's chunks straight into engine memory with one batch get; name every block that failed."""
+        (out,) = self.load_many(session, [request])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def load_many(self, session: Session, requests: Sequence[LoadArgs]) -> list[LoadOutcome | Exception]:
+        """Several requests' loads (an engine step) with one batch get for all of them, each answered on its own.
+
+        A request whose plan is refused gets its error in its place; nothing is read for it.
+        """
+        memory = session.require_memory()
+        kinds = kinds_of(session)
+        out: list[LoadOutcome | Exception | None] = [None] * len(requests)
+        planned: list[tuple[int, list[Chunk], list[Chunk]]] = []  # (request, its chunks, its NO_BLOCK chunks)
+        for i, r in enumerate(requests):
+            try:
+                plan = load_plan(session.geometry, r.hashes, r.block_ids, r.hit_tokens, r.tails, r.start_tokens)
+            except Exception as exc:
+                out[i] = exc
+                continue
+            # A span without a block cannot receive its value: the engine recomputes it.
+            nowhere = [c for c in plan if c.block_id == NO_BLOCK]
+            for c in nowhere:
+                self.metrics.load_failed_blocks.labels(kinds[c.group], Reason.NO_BLOCK.value).inc()
+            planned.append((i, [c for c in plan if c.block_id != NO_BLOCK], nowhere))
+        with _holding(memory):
+            staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
+            for i, reads, nowhere in planned:
+                try:
+                    staged.append((i, reads, nowhere, [memory.buffers(c.group, c.block_id) for c in reads]))
+                except Exception as exc:
+                    out[i] = exc
+            every = [c for _, reads, _, _ in staged for c in reads]
+            codes = self._get(every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
+            where = self._where([c.key for c in every]) if every else None
+        start = 0
+        for i, reads, nowhere, _ in staged:
+            end = start + len(reads)
+            out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
+            start = end
+        if where is not None:
+            ok = [j for j, code in enumerate(codes) if code is StoreCode.OK]
+            count_tier_hits(self.metrics, [where[j] for j in ok], [memory.value_bytes[every[j].group] for j in ok])
+        return _filled(out)
+
+    def _get(self, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
+        """Each chunk's read into its buffers; a key read into two blocks (two requests of a step sharing a
+        prefix) is read again in a second batch, so that no batch names a key twice."""
+        codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
+        seen: set[str] = set()
+        firsts: list[int] = []
+        repeats: list[int] = []
+        for j, c in enumerate(chunks):
+            (repeats if c.key in seen else firsts).append(j)
+            seen.add(c.key)
+        for batch in (firsts, repeats):
+            if not batch:
+                continue
+            try:
+                with self._timed("get"):
+                    got = self.store.get_into(
+                        [chunks[j].key for j in batch], [buffers[j][0] for j in batch], [buffers[j][1] for j in batch]
+                    )
+            except StoreError as exc:
+                self.metrics.store_errors.labels("get", exc.code.value).inc()
+                got = [exc.code] * len(batch)
+            for j, code in zip(batch, got, strict=True):
+                codes[j] = code
+        return codes
+
+    def _where(self, keys: list[str]) -> list[str] | None:
+        if not self._count_tiers:
+            return None
+        try:
+            with self._timed("tiers"):
+                return self.store.tiers(keys)
+        except StoreError as exc:
+            self.metrics.store_errors.labels("tiers", exc.code.value).inc()
+            return None
+
+    def reset(self, session: Session) -> int:
+        """Remove every block of the session's model under its cache prefix, and nothing else."""
+        layout = session.layout
+        # The rest of the key must have exactly the key format's shape: a reset of one model must not sweep along
+        # a model whose name continues it in some other tenant's keys.
+        with self._timed("remove"):
+            return self.store.remove_prefix(key_prefix(layout.model, layout.cache_prefix), KEY_TAIL_PATTERN)
+
+    def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
+        """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""
+        written = [k for k, c in zip(keys, codes, strict=True) if c is StoreCode.OK]
+        if written:
+            try:
+                with self._timed("remove"):
+                    self.store.remove(written)
+            except StoreError as exc:
+                # Nothing more can be done from here; say so loudly, the values may be served.
+                self.metrics.store_errors.labels("remove", exc.code.value).inc()
+                log.error("could not remove %d values saved past their deadline: %s", len(written), exc)
+        return [StoreCode.DEADLINE_EXCEEDED] * len(codes)
+
+    @contextmanager
+    def _timed(self, operation: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.metrics.store_operation_seconds.labels(operation).observe(time.perf_counter() - start)
+
+
+def _filled(out: list[T | None]) -> list[T]:
+    """Every request's answer (each is set exactly once above)."""
+    if any(o is None for o in out):
+        raise AssertionError("a request of the batch was left unanswered")
+    return [o for o in out if o is not None]
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
+@contextmanager
+def _holding(memory: SessionMemory) -> Iterator[None]:
+    memory.acquire()
+    try:
+        yield
+    finally:
+        memory.release()

@@ -1,0 +1,170 @@
+"""A session's registered memory: strided regions over its mappings, and every address a transfer uses.
+
+Nothing else in the daemon computes an address. A block id becomes an address only here, after a bounds check
+against the region it falls in, and a mapping is unmapped only when no store call is using it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvsidecar.errors import BadRequest
+from kvsidecar.memory.mappings import Mapping
+from kvsidecar.values import Handle, RegionRequest
+from kvsidecar_contract.limits import MAX_REGIONS
+
+__all__ = ["MappingOpener", "Region", "SessionMemory"]
+
+
+class MappingOpener(Protocol):
+    """What opens a registration's mappings (mappings.Opener; tests pass their own)."""
+
+    def key(self, i: int, handle: Handle | None) -> str:
+        """What identifies region i's mapping; raises if the session may not use the handle."""
+        ...
+
+    def open(self, handle: Handle | None, size: int) -> Mapping:
+        """Map size bytes of the handle's memory."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One strided view of a mapping: block b is [offset + b * stride, + block_bytes)."""
+
+    mapping: Mapping
+    offset: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+    groups: tuple[int, ...]
+
+    def address(self, block_id: int) -> int:
+        """The address of block_id's slice; the caller has checked block_id < num_blocks."""
+        return self.mapping.address + self.offset + block_id * self.stride
+
+
+class SessionMemory:
+    """All regions of one session, grouped per KV-cache group in registration order."""
+
+    def __init__(self, regions: Sequence[RegionRequest], num_groups: int, opener: MappingOpener) -> None:
+        """Check every region, then map each distinct piece of memory once; all or nothing."""
+        if not regions:
+            raise BadRequest("RegisterMemory needs at least one region")
+        if len(regions) > MAX_REGIONS:
+            raise BadRequest(f"at most {MAX_REGIONS} regions per session, got {len(regions)}")
+        for i, r in enumerate(regions):
+            _check_region(i, r, num_groups)
+        covered = {g for r in regions for g in r.groups}
+        missing = sorted(set(range(num_groups)) - covered)
+        if missing:
+            raise BadRequest(f"groups {missing} have no region: every group needs at least one")
+        keys = [opener.key(i, r.handle) for i, r in enumerate(regions)]
+        self._lock = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+        # Views of one segment share its mapping, opened once at the largest size any of them needs.
+        sizes: dict[str, int] = {}
+        handles: dict[str, Handle | None] = {}
+        for key, r in zip(keys, regions, strict=True):
+            sizes[key] = max(sizes.get(key, 0), r.mapping_bytes)
+            handles.setdefault(key, r.handle)
+        self.mappings: dict[str, Mapping] = {}
+        try:
+            for key, size in sizes.items():
+                self.mappings[key] = opener.open(handles[key], size)
+        except BaseException:
+            for m in self.mappings.values():
+                m.close()
+            raise
+        self.groups: list[list[Region]] = [[] for _ in range(num_groups)]
+        for key, r in zip(keys, regions, strict=True):
+            region = Region(self.mappings[key], r.offset, r.stride, r.block_bytes, r.num_blocks, r.groups)
+            for g in r.groups:
+                self.groups[g].append(region)
+        self.value_bytes = [sum(r.block_bytes for r in regions) for regions in self.groups]
+        self.mapped_bytes = sum(m.size for m in self.mappings.values())
+        # Per group, computed once: a save or load asks for one address per region for every block it moves
+        # (61 regions x hundreds of blocks for an MLA model), so this is the data path's innermost loop.
+        self._blocks_in_group = [min(r.num_blocks for r in regions) for regions in self.groups]
+        self._bases = [[r.mapping.address + r.offset for r in regions] for regions in self.groups]
+        self._strides = [[r.stride for r in regions] for regions in self.groups]
+        self._stride = [_common(strides) for strides in self._strides]
+        self._sizes = [tuple(r.block_bytes for r in regions) for regions in self.groups]
+
+    def buffers(self, group: int, block_id: int) -> tuple[list[int], list[int]]:
+        """Addresses and sizes of a block's slices in every region of its group (one stored value)."""
+        if not 0 <= block_id < self._blocks_in_group[group]:
+            self._out_of_bounds(group, block_id)
+        stride = self._stride[group]
+        if stride is not None:
+            offset = block_id * stride
+            addresses = [base + offset for base in self._bases[group]]
+        else:
+            addresses = [base + block_id * s for base, s in zip(self._bases[group], self._strides[group], strict=True)]
+        return addresses, list(self._sizes[group])
+
+    def _out_of_bounds(self, group: int, block_id: int) -> None:
+        for i, region in enumerate(self.groups[group]):
+            if not 0 <= block_id < region.num_blocks:
+                raise BadRequest(
+                    f"group {group}: block id {block_id} is outside region {i} of the group "
+                    f"({region.num_blocks} blocks)"
+                )
+
+    def acquire(self) -> None:
+        """Hold the mappings for a store call; raises once the session is closing or its memory became unsafe."""
+        with self._lock:
+            if self._closed:
+                raise BadRequest("the session's memory is being released")
+            for m in self.mappings.values():
+                m.check()
+            self._in_flight += 1
+
+    def release(self) -> None:
+        """End a store call started with acquire()."""
+        with self._lock:
+            self._in_flight -= 1
+            self._lock.notify_all()
+
+    def close(self, unregister: Callable[[int], None] | None = None) -> None:
+        """Unmap everything once in-flight store calls are done; later acquire() calls fail."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            # Unmapping under a running transfer would crash the daemon: wait for them (they are bounded).
+            self._lock.wait_for(lambda: self._in_flight == 0)
+        for m in self.mappings.values():
+            if unregister is not None:
+                unregister(m.address)
+            m.close()
+
+
+def _common(values: Sequence[int]) -> int | None:
+    """The one value all of values share, else None."""
+    first = values[0] if values else None
+    return first if all(v == first for v in values) else None
+
+
+def _check_region(i: int, spec: RegionRequest, num_groups: int) -> None:
+    where = f"region {i}"
+    if spec.num_blocks < 1:
+        raise BadRequest(f"{where}: num_blocks must be >= 1")
+    if spec.block_bytes < 1:
+        raise BadRequest(f"{where}: block_bytes must be >= 1")
+    if spec.num_blocks > 1 and spec.stride < spec.block_bytes:
+        raise BadRequest(f"{where}: block_stride {spec.stride} is smaller than block_bytes {spec.block_bytes}")
+    end = spec.offset + (spec.num_blocks - 1) * spec.stride + spec.block_bytes
+    if end > spec.mapping_bytes:
+        raise BadRequest(f"{where}: its last block ends at byte {end}, past the mapping's {spec.mapping_bytes} bytes")
+    if not spec.groups:
+        raise BadRequest(f"{where}: names no group")
+    bad = [g for g in spec.groups if not 0 <= g < num_groups]
+    if bad:
+        raise BadRequest(f"{where}: group index {bad[0]} out of range (session has {num_groups} groups)")
+    if len(set(spec.groups)) != len(spec.groups):
+        raise BadRequest(f"{where}: lists a group twice")

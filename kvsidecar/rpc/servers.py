@@ -1,0 +1,79 @@
+"""The gRPC servers of one daemon: the Unix socket's and, with --listen, an authenticated TLS one."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kvsidecar.config import Config, parse_address
+from kvsidecar.errors import DaemonError
+from kvsidecar.metrics import Metrics
+from kvsidecar.rpc import wire
+from kvsidecar.rpc.auth import TokenAuth, check_files_exist, read_token, server_credentials
+from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar_contract.proto import sidecar_pb2
+
+__all__ = ["SERVICE_NAME", "create_servers"]
+
+SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["Sidecar"].full_name
+
+
+def _server(service: SidecarService, health: health_aio.HealthServicer, config: Config, **kw: Any) -> grpc.aio.Server:
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options, **kw)
+    server.add_generic_rpc_handlers((wire.sidecar_handlers(service),))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return server
+
+
+def create_servers(
+    service: SidecarService, config: Config, metrics: Metrics, socket_gid: int | None
+) -> tuple[list[grpc.aio.Server], health_aio.HealthServicer, list[str]]:
+    """The Unix-socket server (on a path the caller has claimed) and, with --listen, an authenticated TLS one;
+    bound, not started."""
+    health = health_aio.HealthServicer()
+    unix = _server(service, health, config)
+    # The socket file appears at bind time; a tight umask keeps it private until its mode is set.
+    old = os.umask(0o177)
+    try:
+        unix.add_insecure_port(f"unix://{config.socket}")
+    finally:
+        os.umask(old)
+    os.chmod(config.socket, config.socket_mode)
+    if socket_gid is not None:
+        try:
+            os.chown(config.socket, -1, socket_gid)
+        except PermissionError as exc:
+            raise DaemonError(f"cannot give {config.socket} to group {config.socket_group!r}: {exc}") from None
+    servers, addresses = [unix], [f"unix://{config.socket}"]
+    if config.listen:
+        check_files_exist(config)
+        interceptors = []
+        refused = metrics.requests_rejected
+        tenancy = service.tenancy
+        # With client certificates, a tenants file's own credentials decide at OpenSession; without them the
+        # tenants' tokens guard the listener, as --token-file's does.
+        if config.token_file or (config.tenants and not config.tls_client_ca):
+            token = read_token(config.token_file) if config.token_file else None
+            interceptors.append(
+                TokenAuth(token, lambda method: refused.labels(method, "UNAUTHENTICATED").inc(), tenancy.token_hashes)
+            )
+        tcp = _server(service, health, config, interceptors=interceptors)
+        port = tcp.add_secure_port(config.listen, server_credentials(config))
+        if not port:
+            raise DaemonError(f"cannot listen on {config.listen}")
+        host, _ = parse_address(config.listen)
+        servers.append(tcp)
+        addresses.append(f"{host}:{port}")
+    return servers, health, addresses

@@ -1,0 +1,56 @@
+"""The one table from the daemon's errors to gRPC status codes, applied at the service boundary."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvsidecar.errors import (
+    BadRequest,
+    Forbidden,
+    OutOfOrder,
+    RequestError,
+    ShuttingDown,
+    StoreError,
+    Unauthenticated,
+    UnknownSession,
+)
+from kvsidecar.store.codes import StoreCode
+from kvsidecar_contract.placement import PlacementError
+
+__all__ = ["MAX_REASON_CHARS", "SESSION_ERRORS", "STATUS_OF", "status_of"]
+
+# The first class in an error's MRO that is listed decides; the client maps these codes back
+# (client/kvsidecar_client/errors.py).
+STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PlacementError: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownSession: grpc.StatusCode.NOT_FOUND,
+    OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
+    Forbidden: grpc.StatusCode.PERMISSION_DENIED,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    RequestError: grpc.StatusCode.INTERNAL,
+}
+
+# Errors about the session or the daemon, the same for every item of a batch: they fail a SaveBatch or LoadBatch as
+# a whole (with the status above); any other error of an item is that item's own, answered in its result.
+SESSION_ERRORS: tuple[type[Exception], ...] = (Unauthenticated, UnknownSession, OutOfOrder, Forbidden, ShuttingDown)
+
+MAX_REASON_CHARS = 2048  # reasons may quote client input; gRPC clients refuse trailers past 16 KiB
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and reason a failed request answers with."""
+    listed = next((STATUS_OF[cls] for cls in type(exc).__mro__ if cls in STATUS_OF), None)
+    if listed is not None:
+        code, reason = listed, str(exc)
+    elif isinstance(exc, StoreError):
+        # The store refusing the request's own values is the request's fault; anything else is the store's.
+        bad = exc.code is StoreCode.INVALID_PARAMS
+        code = grpc.StatusCode.INVALID_ARGUMENT if bad else grpc.StatusCode.UNAVAILABLE
+        reason = f"store: {exc}"
+    else:
+        code, reason = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 20] + " ... (reason cut)"
+    return code, reason

@@ -1,0 +1,385 @@
+"""Proto messages to domain values and domain results back to proto; request fields are checked with a precise reason.
+
+Nothing else: no memory is opened, no session looked up, no store called here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvsidecar import __version__
+from kvsidecar.errors import BadRequest
+from kvsidecar.fence.guard import Listener
+from kvsidecar.store import StoreHealth
+from kvsidecar.values import (
+    CudaHandle,
+    Failure,
+    Handle,
+    LoadArgs,
+    LoadOutcome,
+    LookupArgs,
+    LookupOutcome,
+    MemfdHandle,
+    RegionRequest,
+    Role,
+    SaveArgs,
+    SaveOutcome,
+    SessionSummary,
+    ShmHandle,
+)
+from kvsidecar_contract.kinds import KIND_OF_PROTO
+from kvsidecar_contract.limits import (
+    MAX_BATCH_ITEMS,
+    MAX_BLOCK_IDS,
+    MAX_GROUPS,
+    MAX_HASH_BYTES,
+    MAX_HASHES,
+    MAX_MODEL_CHARS,
+    MAX_NAME_CHARS,
+)
+from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, Parallel
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+
+_ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
+ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
+
+
+class Undecodable:
+    """A request body that is not a valid message of its type: answered INVALID_ARGUMENT, never UNKNOWN."""
+
+    def __init__(self, message: str, error: str) -> None:
+        self.message, self.error = message, error
+
+    def __str__(self) -> str:
+        return f"the request is not a valid {self.message}: {self.error}"
+
+
+def sidecar_handlers(servicer: Any) -> grpc.GenericRpcHandler:
+    """The Sidecar service's handlers, parsing requests so that garbage reaches the servicer as Undecodable.
+
+    gRPC's own deserializers raise before any servicer code runs, which clients see as UNKNOWN with no reason.
+    """
+    service = pb.DESCRIPTOR.services_by_name["Sidecar"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _lenient(cls: Any) -> Any:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(cls.DESCRIPTOR.full_name, str(exc))
+
+    return parse
+
+
+def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
+    """(role, layout, hash_bytes) of an OpenSession request."""
+    if req.role not in _ROLES:
+        raise BadRequest("role must be ROLE_RANK or ROLE_SCHEDULER")
+    for name, value, most in (
+        ("model", req.engine.model, MAX_MODEL_CHARS),
+        ("cache_prefix", req.engine.cache_prefix, MAX_NAME_CHARS),
+        ("value_identity", req.engine.value_identity, MAX_NAME_CHARS),
+        ("client_name", req.client_name, MAX_NAME_CHARS),
+    ):
+        if len(value) > most:
+            raise BadRequest(f"{name} is {len(value)} characters long, more than {most}")
+    if not 1 <= req.hash_bytes <= MAX_HASH_BYTES:
+        raise BadRequest(f"hash_bytes must be in [1, {MAX_HASH_BYTES}], got {req.hash_bytes}")
+    if not req.groups:
+        raise BadRequest("a session needs at least one KV-cache group")
+    if len(req.groups) > MAX_GROUPS:
+        raise BadRequest(f"at most {MAX_GROUPS} KV-cache groups, got {len(req.groups)}")
+    groups = tuple(_group(i, g) for i, g in enumerate(req.groups))
+    p = req.parallel
+    if p.HasField("dcp_rank") and p.dcp_rank >= (p.dcp_size or 1):
+        raise BadRequest(f"dcp_rank must be in [0, dcp_size={p.dcp_size or 1}), got {p.dcp_rank}")
+    parallel = Parallel(
+        tp_size=p.tp_size,
+        tp_rank=p.tp_rank,
+        pp_size=p.pp_size or 1,
+        pp_rank=p.pp_rank,
+        pcp_size=p.pcp_size or 1,
+        pcp_rank=p.pcp_rank,
+        dcp_size=p.dcp_size or 1,
+        dcp_rank=p.dcp_rank if p.HasField("dcp_rank") else -1,
+    )
+    unit = req.hit_alignment_tokens
+    if unit and req.hash_block_size and unit % req.hash_block_size:
+        raise BadRequest(
+            f"hit_alignment_tokens {unit} must be a multiple of hash_block_size {req.hash_block_size} (0: derive it)"
+        )
+    fine = req.fine_grained_hits if req.HasField("fine_grained_hits") else None
+    if fine and unit and unit != req.hash_block_size:
+        raise BadRequest(
+            f"fine_grained_hits lands hits on every hash block: hit_alignment_tokens must be hash_block_size "
+            f"{req.hash_block_size} or 0, got {unit}"
+        )
+    layout = Layout(
+        model=req.engine.model,
+        groups=groups,
+        parallel=parallel,
+        num_kv_heads=req.num_kv_heads,
+        hash_block_size=req.hash_block_size,
+        cache_prefix=req.engine.cache_prefix,
+        hit_alignment_tokens=unit,
+        fine_grained_hits=fine,
+        value_identity=req.engine.value_identity,
+    )
+    return _ROLES[req.role], layout, req.hash_bytes
+
+
+def _group(index: int, g: Any) -> GroupSpec:
+    if g.kind not in KIND_OF_PROTO:
+        raise BadRequest(f"group {index}: kind must be set")
+    inner = []
+    for k in g.inner:
+        if k not in KIND_OF_PROTO:
+            raise BadRequest(f"group {index}: member kinds must be set")
+        inner.append(KIND_OF_PROTO[k])
+    return GroupSpec(KIND_OF_PROTO[g.kind], g.block_size, g.window, tuple(inner))
+
+
+def regions(items: Sequence[Any]) -> list[RegionRequest]:
+    """Regions of a RegisterMemory request (their handles are checked and opened by memory/ at registration)."""
+    out = []
+    for r in items:
+        which = r.WhichOneof("handle")
+        handle: Handle | None = None
+        if which == "shm":
+            handle = ShmHandle(r.shm.name)
+        elif which == "memfd":
+            handle = MemfdHandle(r.memfd.index)
+        elif which == "cuda":
+            c = r.cuda
+            handle = CudaHandle(
+                device=c.device,
+                handle=c.handle,
+                storage_size=c.storage_size,
+                storage_offset=c.storage_offset,
+                ref_counter_handle=c.ref_counter_handle,
+                ref_counter_offset=c.ref_counter_offset,
+                event_handle=c.event_handle,
+                event_sync_required=c.event_sync_required,
+            )
+        out.append(
+            RegionRequest(
+                handle, r.mapping_bytes, r.offset, r.block_stride, r.block_bytes, r.num_blocks, tuple(r.groups)
+            )
+        )
+    return out
+
+
+def hashes(values: Sequence[bytes], hash_bytes: int) -> list[bytes]:
+    """Block hashes, each exactly hash_bytes long."""
+    if len(values) > MAX_HASHES:
+        raise BadRequest(f"at most {MAX_HASHES} block hashes per request, got {len(values)}")
+    # One copy and one C-level pass for the common case (a 128k-token lookup sends 8192 hashes): 0.8 -> 0.3 ms.
+    out = list(values)
+    if out and set(map(len, out)) != {hash_bytes}:
+        for i, h in enumerate(out):
+            if len(h) != hash_bytes:
+                raise BadRequest(f"block hash {i} has {len(h)} bytes, the session declared {hash_bytes}")
+    return out
+
+
+def block_ids(values: Sequence[Any], num_groups: int) -> list[list[int]]:
+    """Per-group block ids; their bounds are checked against the regions when used."""
+    if len(values) != num_groups:
+        raise BadRequest(f"expected block ids for {num_groups} groups, got {len(values)}")
+    out = []
+    for g, v in enumerate(values):
+        if len(v.ids) > MAX_BLOCK_IDS:
+            raise BadRequest(f"group {g}: at most {MAX_BLOCK_IDS} block ids, got {len(v.ids)}")
+        out.append(list(v.ids))
+    return out
+
+
+def batch_items(items: Sequence[Any], method: str) -> list[tuple[str, Any]]:
+    """(name, request) of a SaveBatch or LoadBatch's items; the batch as a whole must fit the per-request limits."""
+    if len(items) > MAX_BATCH_ITEMS:
+        raise BadRequest(f"{method}: at most {MAX_BATCH_ITEMS} items per batch, got {len(items)}")
+    out = [(item.name, item.request) for item in items]
+    if len({name for name, _ in out}) != len(out):
+        dup = next(name for name, n in Counter(name for name, _ in out).items() if n > 1)
+        raise BadRequest(f"{method}: item names must be unique, {dup[:MAX_NAME_CHARS]!r} appears more than once")
+    # One request this size would be refused: a batch is no way around the limits.
+    total_hashes = sum(len(r.block_hashes) for _, r in out)
+    if total_hashes > MAX_HASHES:
+        raise BadRequest(
+            f"{method}: at most {MAX_HASHES} block hashes per batch, all items together, got {total_hashes}"
+        )
+    total_ids = sum(len(g.ids) for _, r in out for g in r.block_ids)
+    if total_ids > MAX_BLOCK_IDS:
+        raise BadRequest(f"{method}: at most {MAX_BLOCK_IDS} block ids per batch (all items), got {total_ids}")
+    return out
+
+
+def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs:
+    """One Save request's (or SaveBatch item's) values."""
+    return SaveArgs(
+        hashes(req.block_hashes, hash_bytes), block_ids(req.block_ids, num_groups), req.num_tokens, req.saved_tokens
+    )
+
+
+def lookup_args(req: pb.LookupRequest, hash_bytes: int) -> LookupArgs:
+    """One Lookup request's values."""
+    return LookupArgs(hashes(req.block_hashes, hash_bytes), req.num_tokens, req.eagle)
+
+
+def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs:
+    """One Load request's (or LoadBatch item's) values."""
+    return LoadArgs(
+        hashes(req.block_hashes, hash_bytes),
+        block_ids(req.block_ids, num_groups),
+        req.hit_tokens,
+        list(req.tail_boundaries),
+        req.start_tokens,
+    )
+
+
+def item_error(code: grpc.StatusCode, reason: str) -> pb.ItemError:
+    """A batch item's refusal: the status a lone request would have got."""
+    return pb.ItemError(code=code.value[0], reason=reason)
+
+
+def failures(items: Sequence[Failure]) -> list[pb.FailedBlock]:
+    """Failed blocks as proto messages."""
+    return [pb.FailedBlock(group=f.group, block_id=f.block_id, reason=f.reason.value) for f in items]
+
+
+def open_response(
+    session_id: str, lease_s: float, geo: Geometry, side_secret: bytes = b"", tenant: str = ""
+) -> pb.OpenSessionResponse:
+    """A new session's id, lease and placement, as the engine needs them."""
+    return pb.OpenSessionResponse(
+        session_id=session_id,
+        lease_ms=int(lease_s * 1000),
+        hit_alignment_tokens=geo.unit,
+        fine_grained_hits=geo.fine_grained,
+        groups=[
+            pb.GroupPlacement(
+                replication_factor=g.factor,
+                shard_id=g.shard,
+                keys_per_boundary=g.keys_per_boundary,
+                span_tokens=g.span,
+            )
+            for g in geo.groups
+        ],
+        daemon_version=__version__,
+        side_secret=side_secret,
+        tenant=tenant,
+    )
+
+
+def register_response(mapped_bytes: int, value_bytes: Sequence[int]) -> pb.RegisterMemoryResponse:
+    """What a registration mapped."""
+    return pb.RegisterMemoryResponse(mapped_bytes=mapped_bytes, value_bytes=value_bytes)
+
+
+def keepalive_response(lease_s: float, store_healthy: bool) -> pb.KeepAliveResponse:
+    """A renewed lease and the store's health."""
+    return pb.KeepAliveResponse(lease_ms=int(lease_s * 1000), store_healthy=store_healthy)
+
+
+def close_response() -> pb.CloseSessionResponse:
+    """A closed session."""
+    return pb.CloseSessionResponse()
+
+
+def save_response(out: SaveOutcome) -> pb.SaveResponse:
+    """What a save did."""
+    return pb.SaveResponse(
+        written=out.written,
+        skipped=out.skipped,
+        failed=len(out.failures),
+        striped_to_others=out.striped_to_others,
+        bytes_written=out.bytes_written,
+        failures=failures(out.failures),
+        absent=out.absent,
+    )
+
+
+def lookup_response(out: LookupOutcome) -> pb.LookupResponse:
+    """A lookup's hit."""
+    return pb.LookupResponse(
+        hit_tokens=out.hit.tokens, tail_boundaries=out.hit.tails, degraded=out.degraded, detail=out.detail
+    )
+
+
+def load_response(out: LoadOutcome) -> pb.LoadResponse:
+    """What a load did."""
+    return pb.LoadResponse(loaded=out.loaded, bytes_loaded=out.bytes_loaded, failures=failures(out.failures))
+
+
+def reset_response(removed: int) -> pb.ResetResponse:
+    """How many values a reset removed."""
+    return pb.ResetResponse(removed=removed)
+
+
+def stats_response(
+    uptime_seconds: float,
+    health: StoreHealth,
+    master_address: str,
+    sessions: Sequence[SessionSummary],
+    counters: dict[str, float],
+    tenancy: str = "",
+    caller_tenant: str = "",
+    listeners: Sequence[tuple[Listener, int]] = (),
+) -> pb.StatsResponse:
+    """The daemon's state for operators, with every listener and the packets it refused."""
+    return pb.StatsResponse(
+        daemon_version=__version__,
+        uptime_seconds=uptime_seconds,
+        store_healthy=health.healthy,
+        store_detail=health.detail,
+        master_address=master_address,
+        sessions=[session_info(s) for s in sessions],
+        counters=counters,
+        tenancy=tenancy,
+        caller_tenant=caller_tenant,
+        listeners=[
+            pb.ListenerInfo(role=item.role, address=item.address, allowed=item.allowed, dropped_packets=drops)
+            for item, drops in listeners
+        ],
+    )
+
+
+def session_info(s: SessionSummary) -> pb.SessionInfo:
+    """One open session, as Stats shows it."""
+    p = s.parallel
+    return pb.SessionInfo(
+        session_id_prefix=s.id_prefix,
+        role=ROLE_TO_PB[s.role],
+        model=s.model,
+        cache_prefix=s.cache_prefix,
+        parallel=pb.ParallelLayout(
+            tp_size=p.tp_size,
+            tp_rank=p.tp_rank,
+            pp_size=p.pp_size,
+            pp_rank=p.pp_rank,
+            pcp_size=p.pcp_size,
+            pcp_rank=p.pcp_rank,
+            dcp_size=p.dcp_size,
+            dcp_rank=p.dcp_rank,
+        ),
+        mapped_bytes=s.mapped_bytes,
+        age_seconds=s.age_seconds,
+        client_name=s.client_name,
+        tenant=s.tenant,
+    )

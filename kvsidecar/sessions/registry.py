@@ -1,0 +1,261 @@
+"""Open sessions by id: opening with a grant, leases that release a dead rank's memory, attaching memory."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from kvsidecar.errors import BadRequest, Forbidden, OutOfOrder, UnknownSession
+from kvsidecar.memory.mappings import Opener
+from kvsidecar.memory.owners import MappingOwners
+from kvsidecar.memory.regions import SessionMemory
+from kvsidecar.metrics import Metrics
+from kvsidecar.sessions.session import Session
+from kvsidecar.sessions.shapes import ValueShapes
+from kvsidecar.tenancy.live import Grant
+from kvsidecar.tenancy.table import SINGLE_TENANT, Caller
+from kvsidecar.tenancy.tickets import PeerCred
+from kvsidecar.values import RegionRequest, Role, SessionSummary
+from kvsidecar_contract.limits import MAX_MEMFDS
+from kvsidecar_contract.placement import Geometry, Layout
+
+__all__ = ["SessionRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+class SessionRegistry:
+    """Open sessions by id and the memory they attach; a session not renewed within the TTL is closed and released.
+
+    register / unregister are the store's buffer registration (Store.register_buffer / unregister_buffer).
+    """
+
+    def __init__(
+        self,
+        ttl: float,
+        register: Callable[[int, int], None],
+        unregister: Callable[[int], None],
+        *,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl = ttl
+        self._register = register
+        self._unregister = unregister
+        self._metrics = metrics or Metrics()
+        self._clock = clock
+        self._owners = MappingOwners()
+        self._shapes = ValueShapes()
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    def open(
+        self,
+        role: Role,
+        layout: Layout,
+        hash_bytes: int,
+        client_name: str,
+        *,
+        grant: Grant | None = None,
+        caller: Caller | None = None,
+    ) -> Session:
+        """Create a session with an unguessable id (it is the credential for the session's memory).
+
+        grant is what tenancy granted it (Tenancy.open_session); without one, single-tenant and no extra rights."""
+        grant = grant or Grant(SINGLE_TENANT)
+        tenant = grant.tenant
+        now = self._clock()
+        session = Session(
+            id=secrets.token_urlsafe(24),
+            role=role,
+            layout=layout,
+            geometry=Geometry.of(layout),
+            hash_bytes=hash_bytes,
+            client_name=client_name,
+            opened_at=now,
+            expires_at=now + self.ttl,
+            tenant=tenant,
+            caller=caller or Caller(),
+            shm_names=grant.shm_names,
+            side_secret=secrets.token_bytes(24),
+        )
+        with self._lock:
+            self._sessions[session.id] = session
+        self._metrics.sessions.labels(role.value).inc()
+        p = layout.parallel
+        log.info(
+            "session %s opened: %s %s tp %d/%d pp %d/%d pcp %d/%d dcp %d (%s)%s",
+            session.id[:8],
+            role.value,
+            layout.model_key,
+            p.tp_rank,
+            p.tp_size,
+            p.pp_rank,
+            p.pp_size,
+            p.pcp_rank,
+            p.pcp_size,
+            p.dcp_size,
+            client_name,
+            f" tenant {tenant}" if tenant else "",
+        )
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The live session with this id, its lease renewed."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or (session.expires_at < self._clock() and not session.in_flight):
+                raise UnknownSession(f"unknown session {session_id[:8]!r}: never opened, closed, or lease expired")
+            session.expires_at = self._clock() + self.ttl
+            return session
+
+    @contextmanager
+    def use(self, session_id: str) -> Iterator[Session]:
+        """The live session, held for one request: it cannot expire meanwhile, and its lease renews at the end."""
+        session = self.get(session_id)
+        with self._lock:
+            session.in_flight += 1
+        try:
+            yield session
+        finally:
+            with self._lock:
+                session.in_flight -= 1
+                session.expires_at = self._clock() + self.ttl
+
+    def accept_fds(self, session_id: str, secret: str, peer: PeerCred, fds: Sequence[int]) -> int:
+        """Keep memfds a rank passed over the side socket for its RegisterMemory; returns how many the session holds.
+
+        Only the process credentials that opened the session, with its side secret, may hand it descriptors.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+        refusal = "unknown session, wrong side secret, or another uid than the one that opened the session"
+        if session is None or session.closed:
+            raise UnknownSession(refusal)
+        try:
+            sent = bytes.fromhex(secret)
+        except ValueError:
+            sent = b""
+        same_secret = hmac.compare_digest(sent, session.side_secret)
+        if not same_secret or session.caller.uid != peer.uid:
+            raise Forbidden(refusal)
+        with session.lock:
+            if session.closed:
+                raise UnknownSession("the session was closed")
+            if session.memory is not None:
+                raise OutOfOrder("memory is already registered for this session: memfds come before RegisterMemory")
+            if len(session.pending_fds) + len(fds) > MAX_MEMFDS:
+                raise BadRequest(f"at most {MAX_MEMFDS} memfds per session")
+            session.pending_fds.extend(fds)
+            return len(session.pending_fds)
+
+    def attach(self, session: Session, regions: Sequence[RegionRequest]) -> SessionMemory:
+        """Map a rank's regions, claim them and register them with the store, once per session; all or nothing."""
+        if session.role is not Role.RANK:
+            raise Forbidden("a scheduler session cannot register memory")
+        with session.lock:
+            if session.memory is not None:
+                raise OutOfOrder("memory is already registered for this session (once per session)")
+            # The passed memfds are used by this registration or by none: a later one sends its own.
+            fds, session.pending_fds = session.pending_fds, []
+        try:
+            memory = SessionMemory(regions, len(session.layout.groups), Opener(fds, shm_names=session.shm_names))
+        finally:
+            _close_fds(fds)
+        try:
+            self._owners.claim(session.id, memory)
+            self._shapes.claim(
+                session.id,
+                [
+                    (geo.prefix, tuple(r.block_bytes for r in regions))
+                    for geo, regions in zip(session.geometry.groups, memory.groups, strict=True)
+                ],
+            )
+            for m in memory.mappings.values():
+                self._register(m.address, m.size)
+            with session.lock:
+                # A CloseSession may have released the session while its memory was being mapped.
+                if session.closed:
+                    raise UnknownSession("the session was closed while its memory was being registered")
+                if session.memory is not None:
+                    raise OutOfOrder("memory is already registered for this session (once per session)")
+                session.memory = memory
+        except BaseException:
+            self._owners.release(session.id, memory)
+            self._shapes.release(session.id)
+            memory.close(self._unregister_quietly)
+            raise
+        self._metrics.regions_bytes.inc(memory.mapped_bytes)
+        return memory
+
+    def close(self, session_id: str) -> None:
+        """Close a session now and release its memory."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is None:
+            raise UnknownSession(f"unknown session {session_id[:8]!r}: never opened, closed, or lease expired")
+        self._release(session)
+
+    def expire(self) -> list[Session]:
+        """Close every session whose lease ran out; returns them."""
+        now = self._clock()
+        with self._lock:
+            dead = [s for s in self._sessions.values() if s.expires_at < now and not s.in_flight]
+            for s in dead:
+                del self._sessions[s.id]
+        for s in dead:
+            log.warning("session %s (%s, %s) expired: releasing its memory", s.id[:8], s.role.value, s.client_name)
+            self._release(s)
+        return dead
+
+    def close_all(self) -> None:
+        """Close every session (daemon shutdown)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for s in sessions:
+            self._release(s)
+
+    def snapshot(self) -> list[Session]:
+        """The open sessions."""
+        with self._lock:
+            return list(self._sessions.values())
+
+    def summaries(self) -> list[SessionSummary]:
+        """What operators see of the open sessions, for stats."""
+        now = self._clock()
+        return [s.summary(now) for s in self.snapshot()]
+
+    def _release(self, session: Session) -> None:
+        """Mark a session closed and release its memory: unclaimed, unregistered, unmapped."""
+        self._metrics.sessions.labels(session.role.value).dec()
+        with session.lock:
+            session.closed = True
+            memory, session.memory = session.memory, None
+            fds, session.pending_fds = session.pending_fds, []
+        _close_fds(fds)
+        if memory is not None:
+            self._metrics.regions_bytes.dec(memory.mapped_bytes)
+            self._owners.release(session.id, memory)
+            self._shapes.release(session.id)
+            memory.close(self._unregister_quietly)
+
+    def _unregister_quietly(self, address: int) -> None:
+        # Unregistering is best-effort cleanup of a mapping that is going away anyway; the store may be down.
+        try:
+            self._unregister(address)
+        except Exception as exc:
+            log.warning("could not unregister buffer %#x from the store: %s", address, exc)
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

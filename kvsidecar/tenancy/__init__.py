@@ -1,0 +1,5 @@
+"""Who a caller is and what it may do: the tenants table (pure), the live tenancy that grants sessions and counts
+refusals, write budgets, and the side socket's peer credentials and tickets. Every right is off unless granted.
+
+Imports: config, errors, metrics.
+"""

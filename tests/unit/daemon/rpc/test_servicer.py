@@ -1,0 +1,200 @@
+"""The servicer called directly, as grpc's own examples test servicers: unpack, ask tenancy or the data path, reply.
+
+No socket and no daemon: a SidecarService over the in-memory store, with a ServicerContext that records the status
+an aborted call answers with (grpc.aio's context raises from abort; this one does too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvsidecar.datapath.transfers import DataPath
+from kvsidecar.metrics import Metrics
+from kvsidecar.rpc import wire
+from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar.sessions.registry import SessionRegistry
+from kvsidecar.store.memory_store import MemoryStore
+from kvsidecar.tenancy.live import Tenancy
+from kvsidecar.tenancy.table import hash_token
+from kvsidecar.tenancy.tickets import PeerCred
+from kvsidecar_contract.paths import TICKET_METADATA
+from kvsidecar_contract.proto import sidecar_pb2 as pb
+from support.rawrank import group, open_request
+
+TOKEN_A = "token-of-team-a"
+
+
+class Aborted(Exception):
+    """What the context raises on abort, carrying the status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class Context:
+    """A grpc.aio ServicerContext as far as the servicer uses it."""
+
+    def __init__(
+        self,
+        peer: str = "unix:",
+        metadata: Sequence[tuple[str, str]] = (),
+        subject: str | None = None,
+        remaining: float | None = None,
+    ) -> None:
+        self._peer, self._metadata, self._subject, self._remaining = peer, tuple(metadata), subject, remaining
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {"x509_subject": [self._subject.encode()]} if self._subject else {}
+
+    def time_remaining(self) -> float | None:
+        return self._remaining
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+def service(tenants: Path | None = None) -> SidecarService:
+    store, metrics = MemoryStore(), Metrics()
+    sessions = SessionRegistry(30, store.register_buffer, store.unregister_buffer, metrics=metrics)
+    tenancy = Tenancy(metrics, str(tenants) if tenants else "")
+    return SidecarService(DataPath(store, metrics), sessions, tenancy, metrics, workers=2)
+
+
+def call(method: Any, request: Any, context: Context | None = None) -> Any:
+    return asyncio.run(method(request, context or Context()))
+
+
+def refused(method: Any, request: Any, context: Context | None = None) -> Aborted:
+    with pytest.raises(Aborted) as err:
+        call(method, request, context)
+    return err.value
+
+
+def sample(svc: SidecarService, name: str, labels: dict[str, str]) -> float:
+    return svc.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def ticket(svc: SidecarService, uid: int) -> Context:
+    """A Unix caller whose side-socket ticket proves uid."""
+    issued = svc.tenancy.tickets.issue(PeerCred(pid=os.getpid(), uid=uid, gid=uid, groups=frozenset({uid})))
+    return Context(metadata=[(TICKET_METADATA, issued)])
+
+
+def tenants_file(tmp_path: Path, a_prefixes: str = '["team-a"]') -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'[tenants.a]\nuids = [4001]\ntokens = ["{hash_token(TOKEN_A)}"]\nprefixes = {a_prefixes}\n\n'
+        '[tenants.b]\nuids = [4002]\nprefixes = ["team-b"]\nshm_names = true\n\n'
+        '[tenants.ops]\nuids = [4003]\nprefixes = ["ops"]\nadmin = true\n'
+    )
+    return path
+
+
+OPEN_A = open_request([group("full_attention", 16)], prefix="team-a")
+OPEN_B = open_request([group("full_attention", 16)], prefix="team-b")
+
+
+def test_a_single_tenant_session_opens_with_no_rights_beyond_the_defaults():
+    svc = service()
+    answer = call(svc.OpenSession, OPEN_A)
+    assert answer.session_id and answer.tenant == "" and answer.lease_ms == 30_000
+    (session,) = svc.sessions.snapshot()
+    assert session.id == answer.session_id and not session.shm_names
+    assert sample(svc, "kvsidecar_requests_total", {"method": "OpenSession"}) == 1
+
+
+def test_tenancy_grants_sessions_with_each_tenants_own_rights(tmp_path):
+    svc = service(tenants_file(tmp_path))
+    a = call(svc.OpenSession, OPEN_A, ticket(svc, 4001))
+    b = call(svc.OpenSession, OPEN_B, ticket(svc, 4002))
+    assert (a.tenant, b.tenant) == ("a", "b")
+    rights = {s.tenant: s.shm_names for s in svc.sessions.snapshot()}
+    assert rights == {"a": False, "b": True}
+    # A side secret only for callers the side socket can prove (a ticket's uid).
+    assert a.side_secret == b"" or len(a.side_secret) == 24
+
+
+def test_a_refused_open_names_the_reason_and_is_counted_by_tenancy(tmp_path):
+    svc = service(tenants_file(tmp_path))
+    err = refused(svc.OpenSession, OPEN_B, ticket(svc, 4001))
+    assert err.code is grpc.StatusCode.PERMISSION_DENIED and "tenant a may not open sessions" in err.details
+    err = refused(svc.OpenSession, OPEN_A)  # no ticket: no credential
+    assert err.code is grpc.StatusCode.PERMISSION_DENIED and "no tenant's credential" in err.details
+    assert sample(svc, "kvsidecar_tenant_refused_total", {"tenant": "a", "reason": "permission"}) == 1
+    assert sample(svc, "kvsidecar_tenant_refused_total", {"tenant": "none", "reason": "permission"}) == 1
+    assert sample(svc, "kvsidecar_requests_rejected_total", {"method": "OpenSession", "code": "PERMISSION_DENIED"}) == 2
+    assert not svc.sessions.snapshot()
+
+
+def test_a_token_sent_twice_is_refused_not_read_two_ways(tmp_path):
+    svc = service(tenants_file(tmp_path))
+    tcp = [("authorization", f"Bearer {TOKEN_A}")]
+    assert call(svc.OpenSession, OPEN_A, Context(peer="ipv4:127.0.0.1:5", metadata=tcp)).tenant == "a"
+    twice = Context(peer="ipv4:127.0.0.1:5", metadata=[*tcp, ("authorization", "Bearer someone-else")])
+    err = refused(svc.OpenSession, OPEN_A, twice)
+    assert err.code is grpc.StatusCode.UNAUTHENTICATED and "2 'authorization' headers" in err.details
+
+
+def test_reset_asks_tenancy_again_after_a_reload(tmp_path):
+    path = tenants_file(tmp_path)
+    svc = service(path)
+    a = call(svc.OpenSession, OPEN_A, ticket(svc, 4001))
+    assert call(svc.Reset, pb.ResetRequest(session_id=a.session_id)).removed == 0
+    path.write_text(path.read_text().replace('prefixes = ["team-a"]', 'prefixes = ["team-a2"]'))
+    svc.tenancy.reload()
+    err = refused(svc.Reset, pb.ResetRequest(session_id=a.session_id))
+    assert err.code is grpc.StatusCode.PERMISSION_DENIED and err.details.startswith("Reset refused: ")
+    assert sample(svc, "kvsidecar_tenant_refused_total", {"tenant": "a", "reason": "permission"}) == 1
+
+
+def test_stats_shows_a_tenant_its_own_and_an_admin_everything(tmp_path):
+    svc = service(tenants_file(tmp_path))
+    call(svc.OpenSession, OPEN_A, ticket(svc, 4001))
+    call(svc.OpenSession, OPEN_B, ticket(svc, 4002))
+    mine = call(svc.Stats, pb.StatsRequest(), ticket(svc, 4001))
+    assert [s.tenant for s in mine.sessions] == ["a"] and mine.caller_tenant == "a"
+    everything = call(svc.Stats, pb.StatsRequest(), ticket(svc, 4003))
+    assert sorted(s.tenant for s in everything.sessions) == ["a", "b"]
+    err = refused(svc.Stats, pb.StatsRequest(), ticket(svc, 4999))
+    assert err.code is grpc.StatusCode.PERMISSION_DENIED and "uid 4999 is no tenant's credential" in err.details
+
+
+def test_the_boundary_answers_garbage_unknown_sessions_and_shutdown_with_their_statuses():
+    svc = service()
+    err = refused(svc.Lookup, wire.Undecodable("kvsidecar.v1.LookupRequest", "truncated"))
+    assert err.code is grpc.StatusCode.INVALID_ARGUMENT and "not a valid kvsidecar.v1.LookupRequest" in err.details
+    err = refused(svc.KeepAlive, pb.KeepAliveRequest(session_id="nope"))
+    assert err.code is grpc.StatusCode.NOT_FOUND and "unknown session" in err.details
+    session = call(svc.OpenSession, OPEN_A).session_id
+    save = pb.SaveRequest(session_id=session, block_hashes=[b"\x01" * 32], block_ids=[pb.BlockIds(ids=[0])])
+    err = refused(svc.Save, save)
+    assert err.code is grpc.StatusCode.FAILED_PRECONDITION and "RegisterMemory" in err.details
+    svc.stop_accepting()
+    err = refused(svc.KeepAlive, pb.KeepAliveRequest(session_id=session))
+    assert err.code is grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details
+    assert sample(svc, "kvsidecar_requests_rejected_total", {"method": "KeepAlive", "code": "UNAVAILABLE"}) == 1
+    svc.shutdown_pools()
+
+
+def test_a_lookup_is_answered_from_the_data_path():
+    svc = service()
+    scheduler = call(svc.OpenSession, open_request([group("full_attention", 16)], role=pb.ROLE_SCHEDULER))
+    answer = call(
+        svc.Lookup, pb.LookupRequest(session_id=scheduler.session_id, block_hashes=[b"\x01" * 32], num_tokens=17)
+    )
+    assert (answer.hit_tokens, answer.degraded) == (0, False)
+    assert sample(svc, "kvsidecar_lookup_requests_total", {"outcome": "miss"}) == 1
