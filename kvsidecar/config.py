@@ -86,6 +86,10 @@ class Config:
     ssd_size: int = DEFAULT_SSD_BYTES
     ssd_buffer_size: int = DEFAULT_SSD_BUFFER_BYTES
     master_client_ttl: float = DEFAULT_MASTER_CLIENT_TTL_S
+    kv_events_endpoint: str = ""  # ZeroMQ PUB endpoint of vLLM-format KV events (empty: none are published)
+    kv_events_replay_endpoint: str = ""  # ZeroMQ ROUTER endpoint replaying recent events (empty: no replay)
+    kv_events_topic: str = "kvsidecar"
+    kv_events_remote: bool = False  # the endpoints may be off loopback
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
@@ -118,6 +122,7 @@ class Config:
         if self.master_client_ttl < 0:
             raise ConfigError(f"master-client-ttl must be >= 0 seconds, got {self.master_client_ttl}")
         self._check_peer_networks()
+        self._check_kv_events()
         if self.listen:
             # The Unix socket is guarded by file permissions; a TCP port has no such guard, so it never runs open.
             if not (self.tls_cert and self.tls_key):
@@ -128,6 +133,21 @@ class Config:
                 )
         elif self.tls_cert or self.tls_key or self.tls_client_ca or self.token_file:
             raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
+
+    def _check_kv_events(self) -> None:
+        from kvsidecar.events.endpoints import EndpointError, check_endpoint
+
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint replays --kv-events-endpoint's messages: set that too")
+        try:
+            for flag, value in (
+                ("--kv-events-endpoint", self.kv_events_endpoint),
+                ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint),
+            ):
+                if value:
+                    check_endpoint(value, flag, self.kv_events_remote)
+        except EndpointError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_peer_networks(self) -> None:
         from kvsidecar.fence.bpf import parse_networks
@@ -155,6 +175,18 @@ class Config:
                 "--peer-network CIDR (repeatable, e.g. --peer-network 10.0.0.0/16); only they (and loopback) may "
                 "reach this node's Mooncake transfer ports, which hand out engine memory to whoever connects"
             )
+
+
+def parse_bool(text: str | bool) -> bool:
+    """'true'/'yes'/'1' or 'false'/'no'/'0' -> bool."""
+    if isinstance(text, bool):
+        return text
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise ConfigError(f"not a boolean: {text!r} (true or false)")
 
 
 # Fields whose flag may be given several times.
@@ -215,6 +247,19 @@ _FLAGS: list[tuple[str, Any, str]] = [
         float,
         "external master's --client_ttl in seconds: with --ssd-dir, a restart waits this long after the previous "
         "daemon's end so the master lets go of its disk blocks (default 10; 0: do not wait)",
+    ),
+    (
+        "kv_events_endpoint",
+        str,
+        "publish vLLM-format KV events (BlockStored, BlockRemoved, AllBlocksCleared) for routers on this ZeroMQ PUB "
+        "endpoint, e.g. tcp://127.0.0.1:5557 or ipc:///run/kvsidecar/events (default: off; see docs/kv-events.md)",
+    ),
+    ("kv_events_replay_endpoint", str, "ZeroMQ ROUTER endpoint replaying recent KV-event messages (default: off)"),
+    ("kv_events_topic", str, "KV-event topic; a tenant's events go to TOPIC.TENANT (default: %(default)s)"),
+    (
+        "kv_events_remote",
+        parse_bool,
+        "true: the KV-event endpoints may listen off loopback (events name cached prefixes; default false)",
     ),
 ]
 

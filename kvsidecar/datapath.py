@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.backoff import NoSpaceBackoff
 from kvsidecar.budget import TENANT_BUDGET_REASON, WriteBudget
+from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.outcomes import WRITTEN, kinds_of, load_outcome, save_failed, save_outcome
@@ -53,14 +54,16 @@ class DataPath:
         backoff: NoSpaceBackoff | None = None,
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
         tiers: Callable[[Sequence[str]], list[str]] | None = None,
+        events: StoreEvents = NO_EVENTS,
     ) -> None:
         """tiers, given, says where each key is before a load (the disk tier's hit metrics); budget_of gives a
-        tenant's write budget."""
+        tenant's write budget; events hears of every value written and every reset (KV events for routers)."""
         self.store = store
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
         self.tiers = tiers
         self._budget_of = budget_of
+        self.events = events
 
     def save(
         self,
@@ -69,6 +72,8 @@ class DataPath:
         block_ids: Sequence[Sequence[int]],
         num_tokens: int,
         saved: int,
+        tokens: Sequence[int] = (),
+        tokens_start: int = 0,
         deadline: float | None = None,
     ) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -76,7 +81,8 @@ class DataPath:
         deadline (time.monotonic()) is the client's: past it the engine may reuse the blocks, so a put that has
         not started is skipped, and values written after it are removed again rather than served as wrong bytes.
         """
-        (out,) = self.save_many(session, [SaveArgs(hashes, block_ids, num_tokens, saved)], deadline)
+        args = SaveArgs(hashes, block_ids, num_tokens, saved, tokens, tokens_start)
+        (out,) = self.save_many(session, [args], deadline)
         if isinstance(out, Exception):
             raise out
         return out
@@ -119,7 +125,11 @@ class DataPath:
                 if isinstance(results, StoreCode):  # the existence check failed: nothing was written
                     out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
                 else:
-                    out[i] = save_outcome(self.metrics, session, memory, plan, results[start:end])
+                    mine = results[start:end]
+                    out[i] = save_outcome(self.metrics, session, memory, plan, mine)
+                    r = requests[i]
+                    written = [c for c, result in zip(plan.chunks, mine, strict=True) if result is WRITTEN]
+                    self.events.stored(session.tenant, session.geometry, r.hashes, written, r.tokens, r.tokens_start)
                 start = end
         return _filled(out)
 
@@ -314,8 +324,11 @@ class DataPath:
         layout = session.layout
         # The rest of the key must have exactly the key format's shape: a reset of one model must not sweep along
         # a model whose name continues it in some other tenant's keys.
+        prefix = key_prefix(layout.model, layout.cache_prefix)
         with self._timed("remove"):
-            return self.store.remove_prefix(key_prefix(layout.model, layout.cache_prefix), KEY_TAIL_PATTERN)
+            removed = self.store.remove_prefix(prefix, KEY_TAIL_PATTERN)
+        self.events.cleared(session.tenant, prefix)
+        return removed
 
     def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
         """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""

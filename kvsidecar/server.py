@@ -23,6 +23,9 @@ from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_cred
 from kvsidecar.config import Config, ConfigError, parse_address
 from kvsidecar.datapath import DataPath
 from kvsidecar.disk_tier import DiskTier
+from kvsidecar.events.feed import NO_EVENTS
+from kvsidecar.events.node import NodeEvents
+from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, FenceError, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
@@ -149,6 +152,7 @@ class Daemon:
         self.side: SideChannel | None = None
         self.tenancy: Tenancy | None = None
         self.disk_tier: DiskTier | None = None
+        self.kv_events: NodeEvents | None = None
         self.fence: DaemonFence | None = None  # set when the daemon sets up Mooncake itself
         self.failure = ""  # why the daemon stopped itself, if it did
 
@@ -185,6 +189,16 @@ class Daemon:
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
+        if cfg.kv_events_endpoint:
+            # The store's lease-free location query lets the sweep see evictions (a store without one: no sweep).
+            where = getattr(store, "tiers", None)
+            self.kv_events = NodeEvents(
+                cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.kv_events_topic, self.metrics.registry, where
+            )
+            try:
+                self.kv_events.start()
+            except PublisherError as exc:
+                raise DaemonError(str(exc)) from None
         # Built in dependency order: the store's buffer registration into the sessions, both into the service.
         sessions = SessionRegistry(
             cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
@@ -196,6 +210,7 @@ class Daemon:
                 self.metrics,
                 budget_of=tenancy.budget,
                 tiers=self.disk_tier.tiers(store) if self.disk_tier else None,
+                events=self.kv_events.feed if self.kv_events else NO_EVENTS,
             ),
             sessions,
             self.metrics,
@@ -211,6 +226,8 @@ class Daemon:
         for server in self._servers:
             await server.start()
         if self.fence is not None:
+            for role, address, allowed in self.kv_events.listeners() if self.kv_events else ():
+                self.fence.add_own(role, address, allowed)
             self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics, self.service)
         await self._check_store()
         self._housekeeping = asyncio.create_task(self._housekeep())
@@ -352,6 +369,8 @@ class Daemon:
         await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
         if self.side is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
+        if self.kv_events is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.stop)
         loop = asyncio.get_running_loop()
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)

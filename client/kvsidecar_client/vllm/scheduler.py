@@ -211,6 +211,8 @@ class SchedulerSide:
         if not check.chunks:
             return None
         tracked.had_saves = True
+        # From the start of the widest block this save may write: every written block's tokens are covered.
+        first = saved - saved % max(self._shape.spans)
         return SaveSpec(
             req_id=request.request_id,
             block_hashes=tuple(request.block_hashes[: num_tokens // u]),
@@ -218,6 +220,8 @@ class SchedulerSide:
             num_tokens=num_tokens,
             saved_tokens=saved,
             reads=check.reads,
+            token_ids=tuple(request.all_token_ids[first:num_tokens]),
+            token_ids_start=first,
         )
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -186,7 +186,12 @@ class WorkerSide:
 
     def _send_saves(self, specs: Sequence[SaveSpec], done: Mapping[str, concurrent.futures.Future[Any]]) -> None:
         """One SaveBatch for the specs; each request's `done` completes once the daemon stopped reading its blocks."""
-        items = [SaveItem(s.req_id, s.block_hashes, s.block_ids, s.num_tokens, s.saved_tokens) for s in specs]
+        items = [
+            SaveItem(
+                s.req_id, s.block_hashes, s.block_ids, s.num_tokens, s.saved_tokens, s.token_ids, s.token_ids_start
+            )
+            for s in specs
+        ]
         try:
             jobs = self._client.save_batch(items)
         except BaseException as error:
