@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvsidecar.events.messages import MEDIUM_CPU, KVEventBatch
+from kvsidecar.server import DaemonError
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
 from support.inprocess import InProcessDaemon
@@ -123,3 +124,12 @@ def test_a_tenant_publishes_on_its_own_topic(tmp_path):
         client.close()
         mine.close()
         daemon.stop()
+
+
+def test_an_event_endpoint_in_use_stops_the_start_with_the_reason(daemon, tmp_path):
+    assert daemon.daemon is not None and daemon.daemon.kv_events is not None
+    taken = daemon.daemon.kv_events.publisher.address
+    second = InProcessDaemon(tmp_path / "second", MemoryStore(), kv_events_endpoint=taken)
+    with pytest.raises(DaemonError, match="cannot bind KV-event socket"):
+        second.start()
+    second.stop()
