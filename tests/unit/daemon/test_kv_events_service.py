@@ -12,6 +12,7 @@ import torch
 
 from kvsidecar.events.messages import MEDIUM_CPU, KVEventBatch
 from kvsidecar.server import DaemonError
+from kvsidecar.store import StoreCode
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
 from support.inprocess import InProcessDaemon
@@ -30,10 +31,10 @@ def prompt(seed: str, n: int) -> list[bytes]:
     return out
 
 
-def start(tmp_path: Path, **settings: object) -> InProcessDaemon:
+def start(tmp_path: Path, store: MemoryStore | None = None, **settings: object) -> InProcessDaemon:
     return InProcessDaemon(
         tmp_path,
-        MemoryStore(),
+        store if store is not None else MemoryStore(),
         kv_events_endpoint="tcp://127.0.0.1:0",
         kv_events_replay_endpoint="tcp://127.0.0.1:0",
         **settings,
@@ -97,6 +98,29 @@ def test_a_save_announces_exactly_the_blocks_it_wrote_with_their_tokens_and_a_re
     finally:
         client.close()
         sub.close()
+
+
+def test_a_value_whose_write_failed_is_not_announced(tmp_path):
+    store = MemoryStore()
+    daemon = start(tmp_path, store)
+    sub = subscriber(daemon, "kvsidecar")
+    client = connect(daemon)
+    try:
+        hashes = prompt("f", 4)
+        lost = hashes[1].hex()
+        store.set_fault(lambda op, key: StoreCode.NO_SPACE if op == "put" and key.endswith(lost) else None)
+        result = client.save(hashes, [[0, 1, 2, 3]], 4 * U, token_ids=list(range(4 * U))).result()
+        assert (result.written, result.failed) == (3, 1)
+        events = [e for b in sub.collect(lambda bs: len(stored_hashes(bs)) >= 3) for e in b.events]
+        assert [(e.block_hashes, e.parent_block_hash) for e in events] == [
+            ([hashes[0]], None),
+            ([hashes[2], hashes[3]], hashes[1]),  # chained to the block before it, stored or not
+        ]
+        assert events[1].token_ids == list(range(2 * U, 4 * U))
+    finally:
+        client.close()
+        sub.close()
+        daemon.stop()
 
 
 def test_tokens_past_the_saved_tokens_are_refused(daemon):
