@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvsidecar.events.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 __all__ = [
-    "DEFAULT_QUEUE_EVENTS",
+    "DEFAULT_QUEUE_WEIGHT",
     "DEFAULT_REPLAY_BATCHES",
     "END_SEQ",
     "Event",
@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-DEFAULT_QUEUE_EVENTS = 65_536  # events waiting for the publisher thread; past it, publish drops
+# What may wait for the publisher thread, in block hashes plus token ids (an event's size in memory); past it,
+# publish drops. About 40 MiB of Python objects at most; 10 ms of any real node's saves is far less.
+DEFAULT_QUEUE_WEIGHT = 1 << 20
 DEFAULT_REPLAY_BATCHES = 10_000  # messages kept per topic for replay (vLLM's buffer_steps default)
 DEFAULT_HWM = 100_000  # messages ZeroMQ queues per subscriber before it drops for that subscriber
 MAX_BATCH_EVENTS = 1024  # events in one message
@@ -60,7 +62,7 @@ class Publisher:
         *,
         base_topic: str = "",
         registry: CollectorRegistry | None = None,
-        queue_events: int = DEFAULT_QUEUE_EVENTS,
+        queue_weight: int = DEFAULT_QUEUE_WEIGHT,
         replay_batches: int = DEFAULT_REPLAY_BATCHES,
         hwm: int = DEFAULT_HWM,
     ) -> None:
@@ -68,12 +70,12 @@ class Publisher:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self._base_topic = base_topic
-        self._queue_events = queue_events
+        self._queue_weight = queue_weight
         self._replay_batches = replay_batches
         self._hwm = hwm
         self._lock = threading.Condition(threading.Lock())
         self._queue: deque[tuple[str, Sequence[Event]]] = deque()
-        self._queued = 0
+        self._queued = 0  # the queue's weight
         self._lost: set[str] = set()  # topics whose events were dropped since their last message
         self._sending = False  # the thread holds events taken off the queue and not yet sent
         self._stopping = False
@@ -120,15 +122,16 @@ class Publisher:
         """Queue events for `topic`, in order; never blocks: past the queue's bound they are dropped and counted."""
         if not events:
             return
+        weight = sum(map(_weight, events))
         with self._lock:
             if self._stopping:
                 return
-            if self._queued + len(events) > self._queue_events:
+            if self._queued + weight > self._queue_weight:
                 self._lost.add(topic)
                 self.dropped.inc(len(events))
                 return
             self._queue.append((topic, events))
-            self._queued += len(events)
+            self._queued += weight
             # No notify: the thread wakes every BATCH_INTERVAL_S by itself. Waking it at every save cost saves
             # more than the events themselves (a GIL hand-off each time), and batches only got smaller.
 
@@ -226,6 +229,15 @@ class Publisher:
                 router.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("kv events: a replay client stopped reading; its replay was cut short")
+
+
+def _weight(event: Event) -> int:
+    """An event's share of the queue's bound: its block hashes and token ids."""
+    if isinstance(event, BlockStored):
+        return 1 + len(event.block_hashes) + len(event.token_ids)
+    if isinstance(event, BlockRemoved):
+        return 1 + len(event.block_hashes)
+    return 1
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:

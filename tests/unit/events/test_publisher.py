@@ -101,8 +101,8 @@ def test_a_replay_without_a_topic_is_vllms_request_for_the_base_topic(publisher)
 
 
 def test_a_full_queue_drops_counts_and_clears_the_topic_first():
-    p = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", base_topic="kv", queue_events=2)
-    # Not started: nothing drains the queue, so the third event finds it full.
+    p = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", base_topic="kv", queue_weight=4)
+    # Not started: nothing drains the queue, so the third event (a hash each: weight 2) finds it full.
     p.publish("kv", [stored(b"1"), stored(b"2")])
     p.publish("kv", [stored(b"3")])
     assert count(p, "dropped") == 1
