@@ -42,7 +42,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # What may wait for the publisher thread, in block hashes plus token ids (an event's size in memory); past it,
 # publish drops. About 40 MiB of Python objects at most; 10 ms of any real node's saves is far less.
 DEFAULT_QUEUE_WEIGHT = 1 << 20
-DEFAULT_REPLAY_BATCHES = 10_000  # messages kept per topic for replay (vLLM's buffer_steps default)
+DEFAULT_REPLAY_BATCHES = 10_000  # messages kept per topic for replay (vLLM's buffer_steps default) ...
+DEFAULT_REPLAY_BYTES = 64 << 20  # ... and at most this many payload bytes per topic (our messages batch 10 ms)
 DEFAULT_HWM = 100_000  # messages ZeroMQ queues per subscriber before it drops for that subscriber
 MAX_BATCH_EVENTS = 1024  # events in one message
 BATCH_INTERVAL_S = 0.01  # the thread sends what was queued this often: events wait at most this long, in batches
@@ -81,6 +82,7 @@ class Publisher:
         self._stopping = False
         self._seq: dict[str, int] = {}
         self._replay: dict[str, deque[tuple[int, bytes]]] = {}
+        self._replay_bytes: dict[str, int] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
@@ -201,12 +203,18 @@ class Publisher:
                 self._seq[topic] = seq + 1
                 # NOBLOCK: a PUB socket never blocks anyway; past a subscriber's HWM ZeroMQ drops for it alone.
                 self._pub.send_multipart((topic.encode(), seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-                buffer = self._replay.get(topic)
-                if buffer is None:
-                    buffer = self._replay[topic] = deque(maxlen=self._replay_batches)
-                buffer.append((seq, payload))
+                self._keep(topic, seq, payload)
                 self.messages.inc()
                 self.events.inc(len(part))
+
+    def _keep(self, topic: str, seq: int, payload: bytes) -> None:
+        """Keep a message for replay: the topic's last replay_batches messages, within DEFAULT_REPLAY_BYTES."""
+        buffer = self._replay.setdefault(topic, deque())
+        buffer.append((seq, payload))
+        size = self._replay_bytes.get(topic, 0) + len(payload)
+        while len(buffer) > self._replay_batches or (size > DEFAULT_REPLAY_BYTES and len(buffer) > 1):
+            size -= len(buffer.popleft()[1])
+        self._replay_bytes[topic] = size
 
     def _serve_replays(self) -> None:
         router = self._router

@@ -142,3 +142,17 @@ def test_an_address_in_use_is_a_publisher_error(publisher):
     other = Publisher(publisher.address)
     with pytest.raises(PublisherError, match="cannot bind"):
         other.start()
+
+
+def test_the_replay_buffer_keeps_the_last_messages_of_each_topic():
+    p = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", base_topic="kv", replay_batches=2)
+    p.start()
+    sub = KvSubscriber(p.address, p.replay_address, "kv", DECODE)
+    try:
+        for h in (b"1", b"2", b"3"):
+            p.publish("kv", [stored(h)])
+            assert p.flush(30)
+        assert [seq for _, seq, _ in sub.replay(0)] == [1, 2]
+    finally:
+        sub.close()
+        p.stop()
