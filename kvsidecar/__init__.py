@@ -7,7 +7,7 @@ tests/unit/daemon/test_layering.py), and the pure placement rules come from kvsi
 - `reasons`: why a block was not saved or loaded; `config`: every setting; `metrics`: every exported metric
 - `values`: the domain values requests carry in and results carry out
 - `memory/`: every address; `tenancy/`: credentials, rights, budgets
-- `sessions/`: sessions and their leases; `tiers/`: the disk tier
+- `sessions/`: sessions and their leases; `tiers/`: the disk tier; `events/`: KV events for routers
 - `datapath/`: save, lookup, load, reset against the store
 - `rpc/`: the gRPC boundary; `daemon/`: the process
 - `cli/`: the command line; `testing/`: real parts for tests, the demo and the bench

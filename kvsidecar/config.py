@@ -3,7 +3,7 @@
 Each setting is declared once, as a field of `Config` with its help text and parser beside it (`setting`); the
 flags, the config file's keys and the defaults all come from those fields.
 
-Imports: errors, fence (the peer networks' parser).
+Imports: errors, fence (the peer networks' parser), events (which event endpoints may be bound).
 """
 
 from __future__ import annotations
@@ -192,6 +192,26 @@ class Config:
         parse=float,
     )
 
+    kv_events_endpoint: str = setting(
+        "",
+        help=(
+            "publish vLLM-format KV events (BlockStored, BlockRemoved, AllBlocksCleared) for routers on this ZeroMQ "
+            "PUB endpoint, e.g. tcp://127.0.0.1:5557 or ipc:///run/kvsidecar/events (default: off; see "
+            "docs/kv-events.md)"
+        ),
+    )
+    kv_events_replay_endpoint: str = setting(
+        "", help="ZeroMQ ROUTER endpoint replaying recent KV-event messages (default: off)"
+    )
+    kv_events_topic: str = setting(
+        "kvsidecar", help="KV-event topic; a tenant's events go to TOPIC.TENANT (default: %(default)s)"
+    )
+    kv_events_remote: bool = setting(
+        False,
+        help="the KV-event endpoints may listen off loopback (events name cached prefixes; default: off)",
+        parse=bool,
+    )
+
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"protocol must be tcp or rdma, got {self.protocol!r}")
@@ -223,6 +243,7 @@ class Config:
         if self.master_client_ttl < 0:
             raise ConfigError(f"master-client-ttl must be >= 0 seconds, got {self.master_client_ttl}")
         self._check_peer_networks()
+        self._check_kv_events()
         if self.listen:
             # The Unix socket is guarded by file permissions; a TCP port has no such guard, so it never runs open.
             if not (self.tls_cert and self.tls_key):
@@ -233,6 +254,21 @@ class Config:
                 )
         elif self.tls_cert or self.tls_key or self.tls_client_ca or self.token_file:
             raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
+
+    def _check_kv_events(self) -> None:
+        from kvsidecar.events.endpoints import EndpointError, check_endpoint
+
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint replays --kv-events-endpoint's messages: set that too")
+        try:
+            for flag, value in (
+                ("--kv-events-endpoint", self.kv_events_endpoint),
+                ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint),
+            ):
+                if value:
+                    check_endpoint(value, flag, self.kv_events_remote)
+        except EndpointError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_peer_networks(self) -> None:
         from kvsidecar.fence.bpf import parse_networks

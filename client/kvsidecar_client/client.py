@@ -167,11 +167,15 @@ class SidecarClient:
         num_tokens: int,
         *,
         saved_tokens: int = 0,
+        token_ids: Sequence[int] = (),
+        token_ids_start: int = 0,
         timeout: float | None = None,
     ) -> SaveJob:
         """Start saving the request's blocks and return at once; do not reuse the blocks before `job.done()`.
 
-        `block_ids[g][i]` is group g's physical block for its i-th span. Daemon trouble is reported by the job
+        `block_ids[g][i]` is group g's physical block for its i-th span; `token_ids`, optional, are the request's
+        tokens from position `token_ids_start` on (the daemon's KV events then carry each stored block's tokens).
+        Daemon trouble is reported by the job
         (`job.result()` raises), never by this call; bad input and a missing `register` raise here.
         """
         self._keeper.check_open("Save")
@@ -185,6 +189,8 @@ class SidecarClient:
             block_ids=self._block_ids(block_ids, "Save"),
             num_tokens=num_tokens,
             saved_tokens=saved_tokens,
+            token_ids=token_ids,
+            token_ids_start=token_ids_start,
         )
         return self._saves.send(request, deadline)
 

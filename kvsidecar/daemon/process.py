@@ -24,6 +24,9 @@ from kvsidecar.daemon import notify
 from kvsidecar.daemon.sockets import claim_socket, socket_gid
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError, FenceError
+from kvsidecar.events.feed import NO_EVENTS
+from kvsidecar.events.node import NodeEvents
+from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
@@ -73,6 +76,7 @@ class Daemon:
         self.side: SideChannel | None = None
         self.tenancy: Tenancy | None = None
         self.disk_tier: DiskTier | None = None
+        self.kv_events: NodeEvents | None = None
         self.failure = ""  # why the daemon stopped itself, if it did
 
     async def start(self) -> None:
@@ -108,12 +112,31 @@ class Daemon:
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
+        if cfg.kv_events_endpoint:
+            # The store's lease-free location query lets the sweep see evictions.
+            self.kv_events = NodeEvents(
+                cfg.kv_events_endpoint,
+                cfg.kv_events_replay_endpoint,
+                cfg.kv_events_topic,
+                self.metrics.registry,
+                store.tiers,
+            )
+            try:
+                self.kv_events.start()
+            except PublisherError as exc:
+                raise DaemonError(str(exc)) from None
         # Built in dependency order: the store's buffer registration into the sessions, both into the service.
         sessions = SessionRegistry(
             cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
         )
         tenancy = self.tenancy
-        datapath = DataPath(store, self.metrics, budget_of=tenancy.budget, count_tiers=self.disk_tier is not None)
+        datapath = DataPath(
+            store,
+            self.metrics,
+            budget_of=tenancy.budget,
+            count_tiers=self.disk_tier is not None,
+            events=self.kv_events.feed if self.kv_events else NO_EVENTS,
+        )
         self.service = SidecarService(
             datapath,
             sessions,
@@ -131,6 +154,9 @@ class Daemon:
         self.side.start()
         for server in self._servers:
             await server.start()
+        # The event sockets are kvsidecar's own: recorded before the fence's first sweep, which would fence them.
+        for role, address, allowed in self.kv_events.listeners() if self.kv_events else ():
+            self.fence.add_own(role, address, allowed)
         self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics)
         await self._check_store()
         self._housekeeping = asyncio.create_task(self._housekeep())
@@ -274,6 +300,8 @@ class Daemon:
         await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
         if self.side is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
+        if self.kv_events is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.stop)
         loop = asyncio.get_running_loop()
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)

@@ -16,6 +16,7 @@ from typing import TypeVar
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
 from kvsidecar.errors import StoreError
+from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.reasons import Reason
@@ -54,14 +55,17 @@ class DataPath:
         backoff: NoSpaceBackoff | None = None,
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
         count_tiers: bool = False,
+        events: StoreEvents = NO_EVENTS,
     ) -> None:
         """budget_of gives a tenant's write budget; count_tiers asks the store where each loaded key was (the disk
-        tier's hit metrics: one metadata call per load, so only with a disk tier)."""
+        tier's hit metrics: one metadata call per load, so only with a disk tier); events hears of every value
+        written and every reset (KV events for routers)."""
         self.store = store
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
         self._count_tiers = count_tiers
         self._budget_of = budget_of
+        self.events = events
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -112,7 +116,11 @@ class DataPath:
                 if isinstance(results, StoreCode):  # the existence check failed: nothing was written
                     out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
                 else:
-                    out[i] = save_outcome(self.metrics, session, memory, plan, results[start:end])
+                    mine = results[start:end]
+                    out[i] = save_outcome(self.metrics, session, memory, plan, mine)
+                    r = requests[i]
+                    written = [c for c, result in zip(plan.chunks, mine, strict=True) if result is Saved.WRITTEN]
+                    self.events.stored(session.tenant, session.geometry, r.hashes, written, r.tokens, r.tokens_start)
                 start = end
         return _filled(out)
 
@@ -300,8 +308,11 @@ class DataPath:
         layout = session.layout
         # The rest of the key must have exactly the key format's shape: a reset of one model must not sweep along
         # a model whose name continues it in some other tenant's keys.
+        prefix = key_prefix(layout.model, layout.cache_prefix)
         with self._timed("remove"):
-            return self.store.remove_prefix(key_prefix(layout.model, layout.cache_prefix), KEY_TAIL_PATTERN)
+            removed = self.store.remove_prefix(prefix, KEY_TAIL_PATTERN)
+        self.events.cleared(session.tenant, prefix)
+        return removed
 
     def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
         """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""

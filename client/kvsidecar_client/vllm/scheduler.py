@@ -7,6 +7,7 @@ bookkeeping over vLLM's request and block state; the worker side moves the bytes
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from kvsidecar_client.results import Hit
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
 from kvsidecar_client.vllm.plan import Spans, check_save, load_block_ids
 from kvsidecar_client.vllm.specs import EngineGroups
+from kvsidecar_client.vllm.stats import KVSidecarStats, StatsRecorder
 
 __all__ = ["SchedulerSide"]
 
@@ -51,8 +53,10 @@ class SchedulerSide:
         eagle: bool = False,
         load: bool = True,
         save: bool = True,
+        stats: StatsRecorder | None = None,
     ) -> None:
         self._client = client
+        self._stats = stats if stats is not None else StatsRecorder()
         self._groups = groups
         self._shape = shape
         self._eagle = eagle
@@ -104,12 +108,21 @@ class SchedulerSide:
 
     def _lookup(self, request: Any, hashes: list[bytes]) -> Hit | None:
         """The store's hit for a request's hashes, or None for a miss."""
+        start = time.monotonic()
         try:
             hit = self._client.lookup(hashes, request.num_tokens, eagle=self._eagle)
         except SidecarError as error:
             # A lookup is an optimization: a refused one is a miss, and the engine recomputes.
             log.warning("kvsidecar lookup for request %s failed, treating it as a miss: %s", request.request_id, error)
+            self._stats.add(lookups=1, lookup_failures=1, lookup_seconds=time.monotonic() - start)
             return None
+        self._stats.add(
+            lookups=1,
+            lookup_tokens=request.num_tokens,
+            hit_tokens=hit.hit_tokens,
+            lookup_seconds=time.monotonic() - start,
+            lookup_failures=1 if hit.degraded else 0,
+        )
         return hit if hit.hit_tokens > 0 else None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -211,6 +224,8 @@ class SchedulerSide:
         if not check.chunks:
             return None
         tracked.had_saves = True
+        # From the start of the widest block this save may write: every written block's tokens are covered.
+        first = saved - saved % max(self._shape.spans)
         return SaveSpec(
             req_id=request.request_id,
             block_hashes=tuple(request.block_hashes[: num_tokens // u]),
@@ -218,7 +233,13 @@ class SchedulerSide:
             num_tokens=num_tokens,
             saved_tokens=saved,
             reads=check.reads,
+            token_ids=tuple(request.all_token_ids[first:num_tokens]),
+            token_ids_start=first,
         )
+
+    def take_stats(self) -> KVSidecarStats | None:
+        """Lookups counted since the last call, or None."""
+        return self._stats.take()
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads the workers finished: their requests no longer hold blocks for the connector."""
