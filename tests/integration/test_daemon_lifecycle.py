@@ -186,7 +186,7 @@ def test_the_embedded_master_is_restarted_when_it_dies(tmp_path):
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvsidecar", "serve", "--socket", str(sock), "--session-ttl", "30",
-             "--metrics-address", f"127.0.0.1:{port}", "--segment-size", "64MiB"],
+             "--metrics-address", f"127.0.0.1:{port}", "--segment-size", "64MiB", "--allow-shm-names"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     rank = None
