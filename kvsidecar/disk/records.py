@@ -1,0 +1,69 @@
+"""The index log's records: one per value written (key, offset, length, value checksum) or removed.
+
+Each segment file NNNNNNNN.seg has an index NNNNNNNN.idx next to it. A record is appended only after its value's
+bytes are durable, and carries a checksum of itself, so a torn or corrupted tail is recognised and cut at recovery.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import xxhash
+
+__all__ = ["DELETE", "PUT", "Record", "decode", "encode", "value_checksum"]
+
+PUT, DELETE = 1, 2
+_MAGIC = 0x4B56_4458  # "KVDX"
+# magic, kind, key length, offset, length, value checksum; then the key; then the record's own checksum.
+_HEAD = struct.Struct("<IBHQQQ")
+_TAIL = struct.Struct("<Q")
+MAX_KEY_BYTES = 0xFFFF
+
+
+class Record(NamedTuple):
+    """One index entry: where key's value lies in this segment, or (DELETE) that key is gone."""
+
+    kind: int
+    key: str
+    offset: int
+    length: int
+    checksum: int
+
+
+def value_checksum(parts: Iterator[memoryview] | list[memoryview]) -> int:
+    """The checksum a value's bytes (given in order, in parts) are stored and verified with."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
+def encode(record: Record) -> bytes:
+    """The record's bytes in the index file."""
+    key = record.key.encode()
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
+    body = _HEAD.pack(_MAGIC, record.kind, len(key), record.offset, record.length, record.checksum) + key
+    return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode(data: bytes) -> tuple[list[Record], int]:
+    """The whole records at the start of data, and how many bytes they take: a torn or bad record ends the log."""
+    records, pos, view = [], 0, memoryview(data)
+    while pos + _HEAD.size <= len(data):
+        magic, kind, key_len, offset, length, checksum = _HEAD.unpack_from(data, pos)
+        end = pos + _HEAD.size + key_len
+        if magic != _MAGIC or kind not in (PUT, DELETE) or end + _TAIL.size > len(data):
+            break
+        (own,) = _TAIL.unpack_from(data, end)
+        if own != xxhash.xxh3_64_intdigest(view[pos:end]):
+            break
+        try:
+            key = bytes(view[pos + _HEAD.size : end]).decode()
+        except UnicodeDecodeError:
+            break
+        records.append(Record(kind, key, offset, length, checksum))
+        pos = end + _TAIL.size
+    return records, pos
