@@ -22,7 +22,7 @@ from kvsidecar import __version__, notify, wire
 from kvsidecar.auth import TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.config import Config, ConfigError, parse_address
 from kvsidecar.datapath import DataPath
-from kvsidecar.disk_tier import DiskTier
+from kvsidecar.disk.node import DiskTierNode
 from kvsidecar.fence.daemon import DaemonFence, FenceError, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.service import SidecarService
@@ -148,7 +148,7 @@ class Daemon:
         self.service: SidecarService | None = None
         self.side: SideChannel | None = None
         self.tenancy: Tenancy | None = None
-        self.disk_tier: DiskTier | None = None
+        self.disk_tier: DiskTierNode | None = None
         self.fence: DaemonFence | None = None  # set when the daemon sets up Mooncake itself
         self.failure = ""  # why the daemon stopped itself, if it did
 
@@ -168,17 +168,16 @@ class Daemon:
             self.tenancy = Tenancy(cfg.tenants)
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
+        if cfg.ssd_dir:
+            self.disk_tier = await loop.run_in_executor(
+                None, DiskTierNode, cfg, self.metrics, self._embedded_master_metrics_url
+            )
         if self._store is None:
-            if cfg.ssd_dir:
-                self.disk_tier = DiskTier(cfg, self.metrics)
             if not cfg.master:
                 self._start_master()
-            elif self.disk_tier is not None:
-                await self.disk_tier.wait_for_master_to_forget()
             self._store = await loop.run_in_executor(None, self._open_store)
-            if self.disk_tier is not None:
-                await loop.run_in_executor(None, self.disk_tier.report_recovery, self._store, self.master)
-        store = self._store
+        tiered = self.disk_tier.wrap(self._store) if self.disk_tier is not None else None
+        store = self._store = tiered or self._store
         host, port = parse_address(cfg.metrics_address)
         try:
             self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
@@ -195,7 +194,7 @@ class Daemon:
                 store,
                 self.metrics,
                 budget_of=tenancy.budget,
-                tiers=self.disk_tier.tiers(store) if self.disk_tier else None,
+                tiers=tiered.tiers if tiered is not None else None,
             ),
             sessions,
             self.metrics,
@@ -238,10 +237,14 @@ class Daemon:
             binary=self.config.master_binary or None,
             lease_ttl_ms=self.config.master_lease_ttl_ms,
             env=ensure_native_libs(),
-            offload=bool(self.config.ssd_dir),
         )
         self.master.start()
         self.master_address = self.master.address
+
+    def _embedded_master_metrics_url(self) -> str | None:
+        # Only an embedded master's numbers are this node's alone.
+        master = self.master
+        return master.metrics_url if master is not None and master.alive() else None
 
     def _open_store(self) -> Store:
         # Mooncake is imported only here (and in the store package): the rest of the daemon runs without it.
@@ -265,12 +268,10 @@ class Daemon:
             protocol=cfg.protocol,
             rdma_devices=cfg.rdma_devices,
             replica_num=cfg.replicas,
-            ssd_offload_path=self.disk_tier.environ() if self.disk_tier else "",
         )
         # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
-        # A disk tier reads this node's own disk blocks through Mooncake's offload RPC server over loopback, so with
-        # one the single-node fence lets loopback in (as the multi-node one always does).
-        single_node = self.master is not None and not cfg.ssd_dir
+        # The disk tier is the daemon's own (kvsidecar.disk), so it needs no listener: single node admits nobody.
+        single_node = self.master is not None
         policy = policy_for(embedded_master=single_node, peer_networks=cfg.peer_network)
         self.fence = DaemonFence(policy, self.master.metrics_url if self.master is not None else "")
         try:

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvsidecar.disk.records import DELETE, PUT, Record, decode, encode, value_checksum
+from kvsidecar.disk.records import DELETE, PUT, Record, decode, encode, segment_numbers, value_checksum
 
 __all__ = ["ALIGN", "DiskEngine", "DiskStats", "ReadResult", "Recovery", "default_file_size"]
 
@@ -43,7 +43,6 @@ STAGING_BYTES = 16 * MiB  # one write batch at most (a larger value gets a stagi
 READ_DEPTH = 4  # reads in flight at once for one batch get
 _MAX_FILE = 256 * MiB
 _MIN_FILE = 4 * MiB
-_SEGMENT = re.compile(r"^(\d{8})\.seg$")
 
 
 class ReadResult(enum.Enum):
@@ -359,7 +358,8 @@ class DiskEngine:
                 self._wake.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
-                batch, size = [], 0
+                batch: list[_Pending] = []
+                size = 0
                 while self._queue and (not batch or size + len(self._queue[0].data or b"") <= STAGING_BYTES):
                     item = self._queue.popleft()
                     batch.append(item)
@@ -552,10 +552,7 @@ class DiskEngine:
     def _recover(self) -> Recovery:
         began = time.monotonic()
         cut = 0
-        numbers = sorted(
-            int(m.group(1)) for p in self.directory.iterdir() if (m := _SEGMENT.match(p.name)) is not None
-        )
-        for number in numbers:
+        for number in segment_numbers(self.directory):
             path = self.directory / f"{number:08d}.seg"
             idx = path.with_suffix(".idx")
             try:
@@ -589,9 +586,7 @@ class DiskEngine:
                 seg.rfd = os.open(self.directory / f"{number:08d}.seg", os.O_RDONLY)
         while len(self._segments) > self.max_files:  # a smaller --ssd-size than last time
             self._evict_oldest()
-        return Recovery(
-            len(self._index), self.stats.bytes, len(self._segments), cut, time.monotonic() - began
-        )
+        return Recovery(len(self._index), self.stats.bytes, len(self._segments), cut, time.monotonic() - began)
 
     def _drop(self, key: str) -> None:
         old = self._index.pop(key, None)

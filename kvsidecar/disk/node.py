@@ -50,7 +50,9 @@ class DiskTierNode:
             + (f"; {r.cut_tails} torn index tails cut)" if r.cut_tails else ")")
         )
         (log.warning if r.cut_tails else log.info)(
-            "%s; %s writes, files of %d MiB", self.note, "O_DIRECT" if self.engine.direct else "buffered",
+            "%s; %s writes, files of %d MiB",
+            self.note,
+            "O_DIRECT" if self.engine.direct else "buffered",
             self.engine.file_size // MiB,
         )
         metrics.disk_recovered_blocks.inc(r.blocks)
@@ -105,4 +107,3 @@ class DiskTierNode:
         if held is not None:
             self.metrics.tier_blocks.labels(MEMORY).set(held[0])
             self.metrics.tier_bytes.labels(MEMORY).set(held[1])
-

@@ -6,13 +6,16 @@ bytes are durable, and carries a checksum of itself, so a torn or corrupted tail
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import xxhash
 
-__all__ = ["DELETE", "PUT", "Record", "decode", "encode", "value_checksum"]
+__all__ = ["DELETE", "PUT", "Record", "decode", "encode", "indexed_keys", "segment_numbers", "value_checksum"]
 
 PUT, DELETE = 1, 2
 _MAGIC = 0x4B56_4458  # "KVDX"
@@ -20,6 +23,7 @@ _MAGIC = 0x4B56_4458  # "KVDX"
 _HEAD = struct.Struct("<IBHQQQ")
 _TAIL = struct.Struct("<Q")
 MAX_KEY_BYTES = 0xFFFF
+_SEGMENT = re.compile(r"^(\d{8})\.seg$")
 
 
 class Record(NamedTuple):
@@ -67,3 +71,24 @@ def decode(data: bytes) -> tuple[list[Record], int]:
         records.append(Record(kind, key, offset, length, checksum))
         pos = end + _TAIL.size
     return records, pos
+
+
+def segment_numbers(directory: str | os.PathLike[str]) -> list[int]:
+    """The numbers of the segment files in directory, oldest first."""
+    return sorted(int(m.group(1)) for p in Path(directory).iterdir() if (m := _SEGMENT.match(p.name)) is not None)
+
+
+def indexed_keys(directory: str | os.PathLike[str]) -> list[str]:
+    """The keys the directory's index files name now (read only, not checked against the data): for inspection."""
+    keys: dict[str, None] = {}
+    for number in segment_numbers(directory):
+        try:
+            data = (Path(directory) / f"{number:08d}.idx").read_bytes()
+        except FileNotFoundError:
+            continue
+        for r in decode(data)[0]:
+            if r.kind == PUT:
+                keys[r.key] = None
+            else:
+                keys.pop(r.key, None)
+    return list(keys)

@@ -82,7 +82,9 @@ def test_values_written_behind_read_back_exactly_and_survive_a_restart(tmp_path,
         # A batch read, a few at once, into buffers split differently from the save's.
         bufs = [[Buffer(VALUE // 2), Buffer(VALUE // 2)] for _ in range(20)]
         results = engine.read_into(
-            [f"k{i}" for i in range(20)], [[b.address for b in bs] for bs in bufs], [[b.size for b in bs] for bs in bufs]
+            [f"k{i}" for i in range(20)],
+            [[b.address for b in bs] for bs in bufs],
+            [[b.size for b in bs] for bs in bufs],
         )
         assert results == [ReadResult.OK] * 20
         for i, bs in enumerate(bufs):
@@ -264,7 +266,9 @@ def test_removals_are_durable_and_cancel_queued_writes(tmp_path, direct):
 def small_tmpfs(path: Path, size: str):
     path.mkdir()
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True, capture_output=True
+        )
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {exc}")
     try:
@@ -303,4 +307,3 @@ def test_a_filesystem_with_no_room_skips_every_write_and_counts_it(tmp_path):
             assert get(engine, "k0")[0] is ReadResult.MISSING
         finally:
             engine.close()
-
