@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffers
-STAGING_BYTES = 16 * MiB  # one write batch at most (a larger value gets a staging buffer of its own size)
+BATCH_BYTES = 16 * MiB  # one write (one pwritev, one fdatasync) at most, unless a single value is larger
+_BATCH_VALUES = 512  # and at most this many values (IOV_MAX is 1024)
 READ_DEPTH = 4  # reads in flight at once for one batch get
 _MAX_FILE = 256 * MiB
 _MIN_FILE = 4 * MiB
@@ -96,7 +97,9 @@ class _Entry(NamedTuple):
 class _Pending(NamedTuple):
     seq: int
     key: str
-    data: bytearray | None  # None: a removal record
+    data: mmap.mmap | None  # the value's copy, page aligned and 4 KiB padded for O_DIRECT; None: a removal record
+    length: int = 0
+    checksum: int = 0
 
 
 @dataclass
@@ -117,6 +120,14 @@ def _round_up(n: int) -> int:
 
 def _views(addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
     return [memoryview((ctypes.c_char * s).from_address(a)).cast("B") for a, s in zip(addresses, sizes, strict=True)]
+
+
+def _open_for_reads(path: Path) -> int:
+    """A buffered descriptor for reads: the page cache serves warm loads; a sequential hint doubles the kernel's
+    readahead, which took cold 1 MiB reads here from 0.6-0.7 to 1.0 GiB/s (more than O_DIRECT reads reached)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return fd
 
 
 def _accepts_direct(directory: Path) -> bool:
@@ -174,7 +185,8 @@ class DiskEngine:
         self._seq = 0
         self._writing = False
         self._closing = False
-        self._staging = mmap.mmap(-1, STAGING_BYTES)
+        self._free: dict[int, list[mmap.mmap]] = {}  # copy buffers to reuse, by size (KV values are few sizes)
+        self._free_bytes = 0
         self.recovery = self._recover()
         self._next = max(self._segments, default=0) + 1
         self._dirfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -200,15 +212,18 @@ class DiskEngine:
                 return False
             self.stats.queued_bytes += total  # reserved before the copy, outside the lock
             self._pending[key] += 1
-        data = bytearray(total)
-        base = ctypes.addressof((ctypes.c_char * total).from_buffer(data)) if total else 0
+            data = self._buffer(_round_up(max(total, 1)))
+        # The copy is written out as it is (no staging copy); its checksum is taken while it is in the cache.
+        base = ctypes.addressof(ctypes.c_char.from_buffer(data))
         offset = 0
         for address, size in zip(addresses, sizes, strict=True):
             ctypes.memmove(base + offset, address, size)
             offset += size
+        with memoryview(data) as whole, whole[:total] as value:
+            checksum = xxhash.xxh3_64_intdigest(value)
         with self._wake:
             self._seq += 1
-            self._queue.append(_Pending(self._seq, key, data))
+            self._queue.append(_Pending(self._seq, key, data, total, checksum))
             self._wake.notify()
         return True
 
@@ -297,7 +312,7 @@ class DiskEngine:
             self._segments.clear()
             self._index.clear()
         os.close(self._dirfd)
-        self._staging.close()
+        self._free.clear()
 
     # Under the lock.
 
@@ -360,10 +375,12 @@ class DiskEngine:
                     return
                 batch: list[_Pending] = []
                 size = 0
-                while self._queue and (not batch or size + len(self._queue[0].data or b"") <= STAGING_BYTES):
-                    item = self._queue.popleft()
-                    batch.append(item)
-                    size += len(item.data or b"")
+                while self._queue and len(batch) < _BATCH_VALUES:
+                    nxt = len(self._queue[0].data or b"")
+                    if batch and size + nxt > BATCH_BYTES:
+                        break
+                    batch.append(self._queue.popleft())
+                    size += nxt
                 self._writing = True
             try:
                 self._write(batch)
@@ -377,26 +394,23 @@ class DiskEngine:
                 self._wake.notify_all()
 
     def _write(self, batch: list[_Pending]) -> None:
-        run: list[tuple[_Pending, int, int]] = []  # (item, offset in staging, checksum) of the batch's next write
+        run: list[tuple[_Pending, int]] = []  # (item, its offset in the run) of the next write
         pos = 0
         seg = self._current
         for item in batch:
             if item.data is None:
-                run.append((item, 0, 0))
+                run.append((item, 0))
                 continue
-            padded = _round_up(len(item.data))
+            padded = len(item.data)
             if padded > self.file_size:
                 with self._lock:
                     self.stats.skipped["too_large"] += 1
                     self._settle([item])
                 continue
-            if seg is None or seg.used + pos + padded > self.file_size or pos + padded > len(self._staging):
+            if seg is None or seg.used + pos + padded > self.file_size:
                 self._flush(seg, run, pos)
                 run, pos = [], 0
                 seg = self._current  # the flush may have started a file, or given one up
-                if padded > len(self._staging):
-                    self._staging.close()
-                    self._staging = mmap.mmap(-1, padded)
                 if seg is None or seg.used + padded > self.file_size:
                     seg = self._roll()
                 if seg is None:
@@ -404,52 +418,53 @@ class DiskEngine:
                         self.stats.skipped["no_space"] += 1
                         self._settle([item])
                     continue
-            self._staging[pos : pos + len(item.data)] = item.data
-            run.append((item, pos, xxhash.xxh3_64_intdigest(item.data)))
+            run.append((item, pos))
             pos += padded
         self._flush(seg, run, pos)
 
-    def _flush(self, seg: _Segment | None, run: list[tuple[_Pending, int, int]], pos: int) -> None:
-        """Write the staged bytes, make them durable, then append and sync their index records; publish."""
+    def _flush(self, seg: _Segment | None, run: list[tuple[_Pending, int]], pos: int) -> None:
+        """Write the run's values with one pwritev, make them durable, then append and sync their index records."""
         if not run:
             return
+        items = [item for item, _ in run]
         if seg is None:
             seg = self._roll()  # removal records only, and no file yet
             if seg is None:
                 with self._lock:
-                    self._settle([item for item, _, _ in run])
+                    self._settle(items)
                 return
         base = seg.used
         records = [
             Record(DELETE, item.key, 0, 0, 0)
             if item.data is None
-            else Record(PUT, item.key, base + offset, len(item.data), checksum)
-            for item, offset, checksum in run
+            else Record(PUT, item.key, base + offset, item.length, item.checksum)
+            for item, offset in run
         ]
         try:
             if pos:
-                view = memoryview(self._staging)[:pos]
+                views = [memoryview(item.data) for item in items if item.data is not None]
                 try:
                     done = 0
                     while done < pos:
-                        done += os.pwritev(seg.wfd, [view[done:]], base + done)
+                        done += os.pwritev(seg.wfd, _skip(views, done), base + done)
                 finally:
-                    view.release()
+                    for v in views:
+                        v.release()
                 os.fdatasync(seg.wfd)
             os.write(seg.ifd, b"".join(encode(r) for r in records))
             os.fdatasync(seg.ifd)
         except OSError as exc:
             reason = "no_space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
-            log.warning("disk tier: cannot write %s: %s; %d values skipped", seg.number, exc, len(records))
+            log.warning("disk tier: cannot write file %s: %s; %d values skipped", seg.number, exc, len(records))
             with self._lock:
-                self.stats.skipped[reason] += sum(1 for item, _, _ in run if item.data is not None)
-                self._settle([item for item, _, _ in run])
+                self.stats.skipped[reason] += sum(1 for item in items if item.data is not None)
+                self._settle(items)
                 self._current = None  # a file that failed a write takes no more
                 self._close_writer(seg)
             return
         seg.used = base + pos
         with self._lock:
-            for (item, _, _), record in zip(run, records, strict=True):
+            for item, record in zip(items, records, strict=True):
                 if item.data is None or item.seq < self._removed_at.get(item.key, 0):
                     continue  # a removal, or a put removed while queued
                 if seg.number not in self._segments:
@@ -462,18 +477,29 @@ class DiskEngine:
                 self.stats.bytes += record.length
                 self.stats.written_blocks += 1
                 self.stats.written_bytes += record.length
-            self._settle([item for item, _, _ in run])
+            self._settle(items)
 
     def _settle(self, items: list[_Pending]) -> None:
-        """Done with these queued items, written or not (under the lock)."""
+        """Done with these queued items, written or not (under the lock); their buffers go back to the pool."""
         for item in items:
             if item.data is None:
                 continue
-            self.stats.queued_bytes -= len(item.data)
+            self.stats.queued_bytes -= item.length
             self._pending[item.key] -= 1
             if self._pending[item.key] <= 0:
                 del self._pending[item.key]
                 self._removed_at.pop(item.key, None)
+            if self._free_bytes + len(item.data) <= self.queue_bytes:
+                self._free.setdefault(len(item.data), []).append(item.data)
+                self._free_bytes += len(item.data)
+
+    def _buffer(self, size: int) -> mmap.mmap:
+        """A page-aligned copy buffer of size bytes, reused when one is free (under the lock)."""
+        free = self._free.get(size)
+        if free:
+            self._free_bytes -= size
+            return free.pop()
+        return mmap.mmap(-1, size)
 
     def _roll(self) -> _Segment | None:
         """Start a new preallocated file, dropping the oldest ones to make room; None if the disk refuses."""
@@ -493,7 +519,7 @@ class DiskEngine:
                 wfd = os.open(path, flags, 0o600)
                 os.posix_fallocate(wfd, 0, self.file_size)
                 ifd = os.open(path.with_suffix(".idx"), os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_TRUNC, 0o600)
-                rfd = os.open(path, os.O_RDONLY)
+                rfd = _open_for_reads(path)
                 os.fsync(self._dirfd)
                 break
             except OSError as exc:
@@ -583,7 +609,7 @@ class DiskEngine:
                 for suffix in (".seg", ".idx"):
                     (self.directory / f"{number:08d}{suffix}").unlink(missing_ok=True)
             else:
-                seg.rfd = os.open(self.directory / f"{number:08d}.seg", os.O_RDONLY)
+                seg.rfd = _open_for_reads(self.directory / f"{number:08d}.seg")
         while len(self._segments) > self.max_files:  # a smaller --ssd-size than last time
             self._evict_oldest()
         return Recovery(len(self._index), self.stats.bytes, len(self._segments), cut, time.monotonic() - began)
