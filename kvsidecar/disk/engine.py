@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvsidecar.disk.records import DELETE, PUT, Record, decode, encode, segment_numbers, value_checksum
+from kvsidecar.disk.records import DELETE, PUT, Record, decode_raw, encode, segment_numbers, value_checksum
 
 __all__ = ["ALIGN", "DiskEngine", "DiskStats", "ReadResult", "Recovery", "default_file_size"]
 
@@ -586,23 +586,22 @@ class DiskEngine:
                 size = path.stat().st_size
             except FileNotFoundError:
                 data, size = b"", 0
-            records, good = decode(data)
+            records, good = decode_raw(data)
             if good < len(data):
                 cut += 1
                 log.warning("disk tier: cut %d bytes of torn index at the end of %s", len(data) - good, idx)
                 with open(idx, "r+b") as f:
                     f.truncate(good)
                     os.fsync(f.fileno())
-            seg = _Segment(number, -1)
-            for r in records:
-                if r.kind == DELETE:
-                    self._drop(r.key)
-                elif r.offset + r.length <= size:  # a truncated file keeps the values before the cut
-                    self._drop(r.key)
-                    self._index[r.key] = _Entry(number, r.offset, r.length, r.checksum)
-                    self.stats.bytes += r.length
-                    seg.keys.add(r.key)
-            self._segments[number] = seg
+            seg = self._segments[number] = _Segment(number, -1)
+            index, keys, stats = self._index, seg.keys, self.stats
+            for kind, key, offset, length, checksum in records:
+                if key in index:
+                    self._drop(key)
+                if kind == PUT and offset + length <= size:  # a truncated file keeps the values before the cut
+                    index[key] = tuple.__new__(_Entry, (number, offset, length, checksum))
+                    stats.bytes += length
+                    keys.add(key)
         for number, seg in list(self._segments.items()):
             if not seg.keys:
                 del self._segments[number]

@@ -55,21 +55,28 @@ def encode(record: Record) -> bytes:
 
 def decode(data: bytes) -> tuple[list[Record], int]:
     """The whole records at the start of data, and how many bytes they take: a torn or bad record ends the log."""
-    records, pos, view = [], 0, memoryview(data)
-    while pos + _HEAD.size <= len(data):
-        magic, kind, key_len, offset, length, checksum = _HEAD.unpack_from(data, pos)
-        end = pos + _HEAD.size + key_len
-        if magic != _MAGIC or kind not in (PUT, DELETE) or end + _TAIL.size > len(data):
+    raw, good = decode_raw(data)
+    return [Record._make(r) for r in raw], good
+
+
+def decode_raw(data: bytes) -> tuple[list[tuple[int, str, int, int, int]], int]:
+    """decode() as plain tuples (kind, key, offset, length, checksum): recovery replays millions of them."""
+    records, pos, end_of_data = [], 0, len(data)
+    unpack, head, tail, digest = _HEAD.unpack_from, _HEAD.size, _TAIL.size, xxhash.xxh3_64_intdigest
+    while pos + head <= end_of_data:
+        magic, kind, key_len, offset, length, checksum = unpack(data, pos)
+        end = pos + head + key_len
+        if magic != _MAGIC or kind not in (PUT, DELETE) or end + tail > end_of_data:
             break
-        (own,) = _TAIL.unpack_from(data, end)
-        if own != xxhash.xxh3_64_intdigest(view[pos:end]):
+        body = data[pos:end]
+        if _TAIL.unpack_from(data, end)[0] != digest(body):
             break
         try:
-            key = bytes(view[pos + _HEAD.size : end]).decode()
+            key = body[head:].decode()
         except UnicodeDecodeError:
             break
-        records.append(Record(kind, key, offset, length, checksum))
-        pos = end + _TAIL.size
+        records.append((kind, key, offset, length, checksum))
+        pos = end + tail
     return records, pos
 
 

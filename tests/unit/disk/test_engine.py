@@ -307,3 +307,19 @@ def test_a_filesystem_with_no_room_skips_every_write_and_counts_it(tmp_path):
             assert get(engine, "k0")[0] is ReadResult.MISSING
         finally:
             engine.close()
+
+
+def test_a_key_written_removed_and_written_again_counts_once_after_recovery(tmp_path):
+    engine = open_engine(tmp_path, False)
+    put(engine, "k", pattern("first"))
+    engine.flush(60)
+    engine.remove(["k"])
+    put(engine, "k", pattern("second"))
+    put(engine, "other", pattern("other"))
+    engine.close()
+    engine = open_engine(tmp_path, False)
+    try:
+        assert (engine.recovery.blocks, engine.recovery.bytes) == (2, 2 * VALUE)
+        assert get(engine, "k") == (ReadResult.OK, pattern("second"))
+    finally:
+        engine.close()
