@@ -323,3 +323,59 @@ def test_a_key_written_removed_and_written_again_counts_once_after_recovery(tmp_
         assert get(engine, "k") == (ReadResult.OK, pattern("second"))
     finally:
         engine.close()
+
+
+@contextlib.contextmanager
+def failing_disk(tmp_path: Path):
+    """ext4 on a loop device; the callable it yields takes the device away (capacity 0: every I/O fails)."""
+    image, mount = tmp_path / "disk.img", tmp_path / "mnt"
+    mount.mkdir()
+    image.touch()
+    os.truncate(image, 64 * MiB)
+    try:
+        loop = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True, text=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        pytest.skip(f"no loop device here (needs root): {exc}")
+    device = loop.stdout.strip()
+    try:
+        subprocess.run(["mkfs.ext4", "-q", device], check=True, capture_output=True)
+        subprocess.run(["mount", device, str(mount)], check=True, capture_output=True)
+
+        def fail() -> None:
+            os.truncate(image, 0)
+            subprocess.run(["losetup", "-c", device], check=True, capture_output=True)
+
+        try:
+            yield mount, fail
+        finally:
+            subprocess.run(["umount", "-l", str(mount)], check=False)
+    finally:
+        subprocess.run(["losetup", "-d", device], check=False)
+
+
+def test_a_failing_disk_costs_misses_and_counted_skips_never_wrong_bytes(tmp_path):
+    with failing_disk(tmp_path) as (mount, fail):
+        engine = open_engine(mount / "ssd", None, capacity=32 * MiB)
+        try:
+            for i in range(8):
+                put(engine, f"k{i}", pattern(f"v{i}"))
+            engine.flush(60)
+            assert all(get(engine, f"k{i}") == (ReadResult.OK, pattern(f"v{i}")) for i in range(8))
+            fail()
+            for seg in (mount / "ssd").glob("*.seg"):  # what the reads above cached must come from the device again
+                fd = os.open(seg, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            for i in range(8, 16):
+                assert put(engine, f"k{i}", pattern(f"v{i}"))  # queued: the failure comes at write time
+            engine.flush(60)
+            stats = engine.snapshot()
+            assert stats.skipped["io_error"] + stats.skipped["no_space"] == 8, stats
+            assert engine.contains([f"k{i}" for i in range(8, 16)]) == [False] * 8
+            for i in range(8):
+                result, data = get(engine, f"k{i}")
+                assert result in (ReadResult.IO_ERROR, ReadResult.OK)
+                assert result is ReadResult.IO_ERROR or data == pattern(f"v{i}")
+            assert engine.snapshot().read_errors >= 1
+        finally:
+            engine.close()
