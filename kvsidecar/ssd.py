@@ -1,6 +1,8 @@
-"""The disk tier under --ssd-dir: its owner lock, Mooncake's offload settings, and what is on disk.
+"""The --ssd-dir owner lock (SsdDirLock), used by the daemon's own disk tier (kvsidecar/disk).
 
-Mooncake 0.3.13's SSD offload, as measured here (64 MiB segment, 1 MiB values, loopback):
+The rest (Mooncake's offload settings and bucket inventory) served the previous disk tier, Mooncake's SSD offload,
+which the daemon no longer enables (docs/ssd-tier.md, "Why not Mooncake's offload"). What was measured of it
+(0.3.13, 64 MiB segment, 1 MiB values, loopback):
 
 - The master needs --enable_offload and --offload_on_evict: objects are written to disk when DRAM eviction picks
   them (eager persistence at put time lost keys left in a partly filled bucket, upstream #3006).
