@@ -31,7 +31,16 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvsidecar.disk.records import DELETE, PUT, Record, decode_raw, encode, segment_numbers, value_checksum
+from kvsidecar.disk.records import (
+    DELETE,
+    MAX_KEY_BYTES,
+    PUT,
+    Record,
+    decode_raw,
+    encode,
+    segment_numbers,
+    value_checksum,
+)
 
 __all__ = ["ALIGN", "DiskEngine", "DiskStats", "ReadResult", "Recovery", "default_file_size"]
 
@@ -94,12 +103,14 @@ class _Entry(NamedTuple):
     checksum: int
 
 
-class _Pending(NamedTuple):
+@dataclass(slots=True)
+class _Pending:
     seq: int
     key: str
     data: mmap.mmap | None  # the value's copy, page aligned and 4 KiB padded for O_DIRECT; None: a removal record
     length: int = 0
     checksum: int = 0
+    settled: bool = False  # written or given up, its buffer back in the pool
 
 
 @dataclass
@@ -207,6 +218,9 @@ class DiskEngine:
         with self._lock:
             if self._closing or key in self._index or self._pending[key]:
                 return not self._closing
+            if len(key.encode()) > MAX_KEY_BYTES:
+                self.stats.skipped["too_large"] += 1
+                return False
             if self.stats.queued_bytes + total > self.queue_bytes:
                 self.stats.skipped["queue_full"] += 1
                 return False
@@ -387,7 +401,7 @@ class DiskEngine:
             except Exception:  # the writer must outlive any one batch; its values are skipped and counted
                 log.exception("disk tier: a write batch failed")
                 with self._lock:
-                    self.stats.skipped["io_error"] += sum(1 for p in batch if p.data is not None)
+                    self.stats.skipped["io_error"] += sum(1 for p in batch if p.data is not None and not p.settled)
                     self._settle(batch)
             with self._wake:
                 self._writing = False
@@ -482,8 +496,9 @@ class DiskEngine:
     def _settle(self, items: list[_Pending]) -> None:
         """Done with these queued items, written or not (under the lock); their buffers go back to the pool."""
         for item in items:
-            if item.data is None:
+            if item.data is None or item.settled:
                 continue
+            item.settled = True
             self.stats.queued_bytes -= item.length
             self._pending[item.key] -= 1
             if self._pending[item.key] <= 0:

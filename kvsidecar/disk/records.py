@@ -15,7 +15,18 @@ from typing import NamedTuple
 
 import xxhash
 
-__all__ = ["DELETE", "PUT", "Record", "decode", "encode", "indexed_keys", "segment_numbers", "value_checksum"]
+__all__ = [
+    "DELETE",
+    "MAX_KEY_BYTES",
+    "PUT",
+    "Record",
+    "decode",
+    "decode_raw",
+    "encode",
+    "indexed_keys",
+    "segment_numbers",
+    "value_checksum",
+]
 
 PUT, DELETE = 1, 2
 _MAGIC = 0x4B56_4458  # "KVDX"
