@@ -8,12 +8,15 @@ import ctypes
 import hashlib
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvsidecar.disk import DiskEngine, ReadResult
 from kvsidecar.disk.engine import _accepts_direct
+from kvsidecar.disk.records import indexed_keys
 
 MiB = 1 << 20
 VALUE = 256 << 10
@@ -377,5 +380,43 @@ def test_a_failing_disk_costs_misses_and_counted_skips_never_wrong_bytes(tmp_pat
                 assert result in (ReadResult.IO_ERROR, ReadResult.OK)
                 assert result is ReadResult.IO_ERROR or data == pattern(f"v{i}")
             assert engine.snapshot().read_errors >= 1
+        finally:
+            engine.close()
+
+
+WRITER = """
+import ctypes, hashlib, sys
+from kvsidecar.disk import DiskEngine
+engine = DiskEngine(sys.argv[1], 64 << 20, queue_bytes=8 << 20, file_size=4 << 20)
+print("ready", flush=True)
+i = int(sys.argv[2])
+while True:
+    seed = hashlib.sha256(f"v{i}".encode()).digest()
+    data = (seed * (65536 // 32))[: 65536 - 1000 * (i % 7)]
+    buf = ctypes.create_string_buffer(data, len(data))
+    engine.enqueue(f"k{i}", [ctypes.addressof(buf)], [len(data)])
+    i += 1
+"""
+
+
+def test_killed_at_any_moment_it_serves_only_whole_values(tmp_path):
+    """kill -9 a writing engine again and again: everything indexed reads back exact, nothing else is claimed."""
+    start = 0
+    for round_ in range(6):
+        child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(start)], stdout=subprocess.PIPE)
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        time.sleep(0.05 + 0.1 * round_)  # somewhere in the middle of batches, files and evictions
+        child.kill()
+        child.wait()
+        engine = open_engine(tmp_path, None, file_size=4 * MiB)
+        try:
+            keys = indexed_keys(tmp_path)
+            assert engine.recovery.blocks == len(keys)
+            for key in keys:
+                i = int(key[1:])
+                seed = hashlib.sha256(f"v{i}".encode()).digest()
+                want = (seed * (65536 // 32))[: 65536 - 1000 * (i % 7)]
+                assert get(engine, key, len(want)) == (ReadResult.OK, want), key
+            start = max((int(k[1:]) for k in keys), default=start) + 1_000_000
         finally:
             engine.close()
