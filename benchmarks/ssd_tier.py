@@ -263,7 +263,7 @@ def index_replay(directory: Path, tier: int, value: int) -> tuple[int, float]:
     """(records, seconds) for the engine to recover a full tier of `tier` bytes of `value`-byte values (sparse files:
     the index is real, the data is not read at recovery)."""
     from kvsidecar.disk import DiskEngine
-    from kvsidecar.disk.engine import default_file_size
+    from kvsidecar.disk.files import default_file_size
     from kvsidecar.disk.records import PUT, Record, encode
 
     file_size = default_file_size(tier)

@@ -3,7 +3,8 @@
 Pure I/O: no grpc, no Mooncake. `DiskEngine` holds the files, `TieredStore` puts it behind a DRAM store.
 """
 
-from kvsidecar.disk.engine import DiskEngine, DiskStats, ReadResult, Recovery
+from kvsidecar.disk.engine import DiskEngine
+from kvsidecar.disk.results import DiskStats, ReadResult, Recovery
 from kvsidecar.disk.tiered import TieredStore
 
 __all__ = ["DiskEngine", "DiskStats", "ReadResult", "Recovery", "TieredStore"]

@@ -1,9 +1,10 @@
 """The disk tier's engine: segment files written behind in batches, an index in memory, reads into caller memory.
 
-- Values are copied at enqueue (the caller may reuse its memory at once) into a bounded queue; past the bound a
-  value is skipped and counted, never waited for. One writer thread packs queued values, 4 KiB aligned, into a
-  staging buffer and writes each batch with one pwritev (O_DIRECT where the filesystem takes it), makes it durable,
-  then appends the batch's index records and makes those durable: an index record never names bytes not on disk.
+- Values are copied at enqueue (the caller may reuse its memory at once), each into a page-aligned buffer padded to
+  4 KiB, and checksummed; the queue is bounded, and past the bound a value is skipped and counted, never waited for.
+  One writer thread writes each batch of queued values with one pwritev of those buffers (O_DIRECT where the
+  filesystem takes it), makes it durable, then appends the batch's index records and makes those durable: an index
+  record never names bytes not on disk.
 - Segment files are preallocated and append-only; the tier holds at most capacity // file_size of them and drops
   the oldest file (with every value in it) to make room.
 - Reads look a key up in memory and preadv straight into the caller's buffers, a few at once; the value's checksum
@@ -14,7 +15,6 @@
 from __future__ import annotations
 
 import ctypes
-import enum
 import errno
 import logging
 import mmap
@@ -25,12 +25,22 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import xxhash
 
+from kvsidecar.disk.files import (
+    ALIGN,
+    Segment,
+    accepts_direct,
+    default_file_size,
+    open_for_reads,
+    round_up,
+    skip,
+    views,
+)
 from kvsidecar.disk.records import (
     DELETE,
     MAX_KEY_BYTES,
@@ -41,59 +51,16 @@ from kvsidecar.disk.records import (
     segment_numbers,
     value_checksum,
 )
+from kvsidecar.disk.results import DiskStats, ReadResult, Recovery
 
-__all__ = ["ALIGN", "DiskEngine", "DiskStats", "ReadResult", "Recovery", "default_file_size"]
+__all__ = ["DiskEngine"]
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-ALIGN = 4096  # O_DIRECT offsets, lengths and buffers
 BATCH_BYTES = 16 * MiB  # one write (one pwritev, one fdatasync) at most, unless a single value is larger
 _BATCH_VALUES = 512  # and at most this many values (IOV_MAX is 1024)
 READ_DEPTH = 4  # reads in flight at once for one batch get
-_MAX_FILE = 256 * MiB
-_MIN_FILE = 4 * MiB
-
-
-class ReadResult(enum.Enum):
-    """What one read of a value into caller memory came to."""
-
-    OK = "ok"
-    MISSING = "missing"  # not on disk (never written, evicted, removed, or still queued)
-    SIZE_MISMATCH = "size_mismatch"  # the caller's buffers are not the value's size: nothing read
-    CORRUPT = "corrupt"  # the bytes read fail the value's checksum: a miss, and the key is forgotten
-    IO_ERROR = "io_error"  # the read itself failed
-
-
-class Recovery(NamedTuple):
-    """What opening a directory found: values and bytes indexed again, files kept, index tails cut, time taken."""
-
-    blocks: int
-    bytes: int
-    files: int
-    cut_tails: int
-    seconds: float
-
-
-@dataclass
-class DiskStats:
-    """Counters since open (monotonic) and what the tier holds now."""
-
-    blocks: int = 0
-    bytes: int = 0
-    files: int = 0
-    queued_bytes: int = 0
-    written_blocks: int = 0
-    written_bytes: int = 0
-    evicted_blocks: int = 0
-    corrupt_reads: int = 0
-    read_errors: int = 0
-    skipped: Counter[str] = field(default_factory=Counter)  # values not written, by reason
-
-
-def default_file_size(capacity: int) -> int:
-    """Segment file size for a tier of capacity bytes: an eighth of it, 4-256 MiB, 4 KiB aligned."""
-    return max(_MIN_FILE, min(_MAX_FILE, capacity // 8)) // ALIGN * ALIGN
 
 
 class _Entry(NamedTuple):
@@ -113,56 +80,6 @@ class _Pending:
     settled: bool = False  # written or given up, its buffer back in the pool
 
 
-@dataclass
-class _Segment:
-    number: int
-    rfd: int
-    keys: set[str] = field(default_factory=set)
-    wfd: int = -1  # only the file being appended to
-    ifd: int = -1
-    used: int = 0
-    readers: int = 0
-    dead: bool = False
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _views(addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
-    return [memoryview((ctypes.c_char * s).from_address(a)).cast("B") for a, s in zip(addresses, sizes, strict=True)]
-
-
-def _open_for_reads(path: Path) -> int:
-    """A buffered descriptor for reads: the page cache serves warm loads; a sequential hint doubles the kernel's
-    readahead, which took cold 1 MiB reads here from 0.6-0.7 to 1.0 GiB/s (more than O_DIRECT reads reached)."""
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return fd
-
-
-def _accepts_direct(directory: Path) -> bool:
-    """Whether files here take O_DIRECT writes (tmpfs and some others refuse them at open)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = directory / ".direct-probe"
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
-        try:
-            os.pwrite(fd, buf, 0)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return False
-    finally:
-        buf.close()
-        probe.unlink(missing_ok=True)
-    return True
-
-
 class DiskEngine:
     """One directory's segment files and index; the caller holds the directory's lock."""
 
@@ -178,18 +95,18 @@ class DiskEngine:
         """Recover what the directory holds and start the writer; direct None: O_DIRECT if the filesystem takes it."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.file_size = _round_up(file_size or default_file_size(capacity))
+        self.file_size = round_up(file_size or default_file_size(capacity))
         if self.file_size < ALIGN or capacity < self.file_size:
             raise ValueError(f"capacity {capacity} must hold at least one file of {self.file_size} bytes")
         self.max_files = max(2, capacity // self.file_size)
         self.queue_bytes = queue_bytes
-        self.direct = _accepts_direct(self.directory) if direct is None else direct
+        self.direct = accepts_direct(self.directory) if direct is None else direct
         self.stats = DiskStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._index: dict[str, _Entry] = {}
-        self._segments: OrderedDict[int, _Segment] = OrderedDict()
-        self._current: _Segment | None = None
+        self._segments: OrderedDict[int, Segment] = OrderedDict()
+        self._current: Segment | None = None
         self._queue: deque[_Pending] = deque()
         self._pending: Counter[str] = Counter()  # queued puts per key
         self._removed_at: dict[str, int] = {}  # key -> sequence number of its last removal, while puts are queued
@@ -226,7 +143,7 @@ class DiskEngine:
                 return False
             self.stats.queued_bytes += total  # reserved before the copy, outside the lock
             self._pending[key] += 1
-            data = self._buffer(_round_up(max(total, 1)))
+            data = self._buffer(round_up(max(total, 1)))
         # The copy is written out as it is (no staging copy); its checksum is taken while it is in the cache.
         base = ctypes.addressof(ctypes.c_char.from_buffer(data))
         offset = 0
@@ -245,7 +162,7 @@ class DiskEngine:
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[ReadResult]:
         """Read each key's value into its buffers, a few at once; OK only for exactly the value's bytes, verified."""
-        jobs: list[tuple[_Entry, _Segment] | None] = []
+        jobs: list[tuple[_Entry, Segment] | None] = []
         with self._lock:
             for key in keys:
                 entry = self._index.get(key)
@@ -346,7 +263,7 @@ class DiskEngine:
         self._queue.append(_Pending(self._seq, key, None))
         return True
 
-    def _close_if_dead(self, seg: _Segment) -> None:
+    def _close_if_dead(self, seg: Segment) -> None:
         if seg.dead and seg.readers == 0 and seg.rfd >= 0:
             os.close(seg.rfd)
             seg.rfd = -1
@@ -372,7 +289,7 @@ class DiskEngine:
         return True
 
     @staticmethod
-    def _close_writer(seg: _Segment) -> None:
+    def _close_writer(seg: Segment) -> None:
         for name in ("wfd", "ifd"):
             fd = getattr(seg, name)
             if fd >= 0:
@@ -436,7 +353,7 @@ class DiskEngine:
             pos += padded
         self._flush(seg, run, pos)
 
-    def _flush(self, seg: _Segment | None, run: list[tuple[_Pending, int]], pos: int) -> None:
+    def _flush(self, seg: Segment | None, run: list[tuple[_Pending, int]], pos: int) -> None:
         """Write the run's values with one pwritev, make them durable, then append and sync their index records."""
         if not run:
             return
@@ -456,13 +373,13 @@ class DiskEngine:
         ]
         try:
             if pos:
-                views = [memoryview(item.data) for item in items if item.data is not None]
+                bufs = [memoryview(item.data) for item in items if item.data is not None]
                 try:
                     done = 0
                     while done < pos:
-                        done += os.pwritev(seg.wfd, _skip(views, done), base + done)
+                        done += os.pwritev(seg.wfd, skip(bufs, done), base + done)
                 finally:
-                    for v in views:
+                    for v in bufs:
                         v.release()
                 os.fdatasync(seg.wfd)
             os.write(seg.ifd, b"".join(encode(r) for r in records))
@@ -516,7 +433,7 @@ class DiskEngine:
             return free.pop()
         return mmap.mmap(-1, size)
 
-    def _roll(self) -> _Segment | None:
+    def _roll(self) -> Segment | None:
         """Start a new preallocated file, dropping the oldest ones to make room; None if the disk refuses."""
         with self._lock:
             if self._current is not None:
@@ -534,7 +451,7 @@ class DiskEngine:
                 wfd = os.open(path, flags, 0o600)
                 os.posix_fallocate(wfd, 0, self.file_size)
                 ifd = os.open(path.with_suffix(".idx"), os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_TRUNC, 0o600)
-                rfd = _open_for_reads(path)
+                rfd = open_for_reads(path)
                 os.fsync(self._dirfd)
                 break
             except OSError as exc:
@@ -548,7 +465,7 @@ class DiskEngine:
                         continue
                 log.warning("disk tier: cannot start file %s: %s", path, exc)
                 return None
-        seg = _Segment(number, rfd, wfd=wfd, ifd=ifd)
+        seg = Segment(number, rfd, wfd=wfd, ifd=ifd)
         with self._lock:
             self._segments[number] = seg
             self._current = seg
@@ -557,18 +474,18 @@ class DiskEngine:
     # Reads, on the caller's thread or the read pool.
 
     def _read_one(
-        self, key: str, job: tuple[_Entry, _Segment] | None, addresses: Sequence[int], sizes: Sequence[int]
+        self, key: str, job: tuple[_Entry, Segment] | None, addresses: Sequence[int], sizes: Sequence[int]
     ) -> ReadResult:
         if job is None:
             return ReadResult.MISSING
         entry, seg = job
         if sum(sizes) != entry.length:
             return ReadResult.SIZE_MISMATCH
-        views = _views(addresses, sizes)
+        dest = views(addresses, sizes)
         try:
             done = 0
             while done < entry.length:
-                n = os.preadv(seg.rfd, _skip(views, done), entry.offset + done)
+                n = os.preadv(seg.rfd, skip(dest, done), entry.offset + done)
                 if n <= 0:
                     break
                 done += n
@@ -577,7 +494,7 @@ class DiskEngine:
             with self._lock:
                 self.stats.read_errors += 1
             return ReadResult.IO_ERROR
-        if done == entry.length and value_checksum(views) == entry.checksum:
+        if done == entry.length and value_checksum(dest) == entry.checksum:
             return ReadResult.OK
         log.warning("disk tier: %r in file %s fails its checksum: a miss, forgotten", key, seg.number)
         with self._lock:
@@ -608,7 +525,7 @@ class DiskEngine:
                 with open(idx, "r+b") as f:
                     f.truncate(good)
                     os.fsync(f.fileno())
-            seg = self._segments[number] = _Segment(number, -1)
+            seg = self._segments[number] = Segment(number, -1)
             index, keys, stats = self._index, seg.keys, self.stats
             for kind, key, offset, length, checksum in records:
                 if key in index:
@@ -623,7 +540,7 @@ class DiskEngine:
                 for suffix in (".seg", ".idx"):
                     (self.directory / f"{number:08d}{suffix}").unlink(missing_ok=True)
             else:
-                seg.rfd = _open_for_reads(self.directory / f"{number:08d}.seg")
+                seg.rfd = open_for_reads(self.directory / f"{number:08d}.seg")
         while len(self._segments) > self.max_files:  # a smaller --ssd-size than last time
             self._evict_oldest()
         return Recovery(len(self._index), self.stats.bytes, len(self._segments), cut, time.monotonic() - began)
@@ -635,15 +552,3 @@ class DiskEngine:
             seg = self._segments.get(old.file)
             if seg is not None:
                 seg.keys.discard(key)
-
-
-def _skip(views: list[memoryview], n: int) -> list[memoryview]:
-    """The buffers past their first n bytes (for a short read's next try)."""
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out

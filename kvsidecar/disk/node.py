@@ -10,7 +10,8 @@ import urllib.request
 from collections.abc import Callable
 
 from kvsidecar.config import Config
-from kvsidecar.disk.engine import DiskEngine, DiskStats
+from kvsidecar.disk.engine import DiskEngine
+from kvsidecar.disk.results import DiskStats
 from kvsidecar.disk.tiered import DISK, MEMORY, TieredStore
 from kvsidecar.metrics import Metrics
 from kvsidecar.ssd import SsdDirLock

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvsidecar.disk.engine import DiskEngine, ReadResult
+from kvsidecar.disk.engine import DiskEngine
+from kvsidecar.disk.results import ReadResult
 from kvsidecar.store.base import Presence, Store, StoreHealth
 from kvsidecar.store.codes import StoreCode, StoreError, presence_of_failure
 

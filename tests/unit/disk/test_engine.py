@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.disk import DiskEngine, ReadResult
-from kvsidecar.disk.engine import _accepts_direct
+from kvsidecar.disk.files import accepts_direct
 from kvsidecar.disk.records import indexed_keys
 
 MiB = 1 << 20
@@ -60,7 +60,7 @@ def get(engine: DiskEngine, key: str, size: int = VALUE, parts: int = 1) -> tupl
     return result, b"".join(b.bytes() for b in bufs)
 
 
-MODES = [False] + ([True] if _accepts_direct(Path("/tmp")) else [])
+MODES = [False] + ([True] if accepts_direct(Path("/tmp")) else [])
 
 
 @pytest.fixture(params=MODES, ids=lambda d: "direct" if d else "buffered")
