@@ -35,8 +35,7 @@ DEFAULT_LOCAL_BUFFER_BYTES = 64 * MiB
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 DEFAULT_SESSION_TTL_S = 10.0
 DEFAULT_SSD_BYTES = 8 * GiB  # laptop-sized; see docs/ssd-tier.md for a GPU node
-DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # Mooncake's own default is 1.25 GiB per owner
-DEFAULT_MASTER_CLIENT_TTL_S = 10.0  # mooncake_master --client_ttl
+DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # the disk tier's write queue: about a second of a laptop's saves
 
 
 def parse_size(text: str | int) -> int:
@@ -169,8 +168,9 @@ class Config:
     ssd_dir: str = setting(
         "",
         help=(
-            "absolute directory of a disk tier (Mooncake SSD offload) behind the segment, owned by this daemon "
-            "alone; blocks evicted from DRAM are written there and survive restarts (default: no disk tier)"
+            "absolute directory of a disk tier behind the segment, owned by this daemon alone: every saved block is "
+            "written behind to it, served from it once DRAM evicts it, and kept across restarts (default: no disk "
+            "tier)"
         ),
     )
     ssd_size: int = setting(
@@ -180,16 +180,11 @@ class Config:
     )
     ssd_buffer_size: int = setting(
         DEFAULT_SSD_BUFFER_BYTES,
-        help="disk tier staging buffer, e.g. 1.25GiB on a GPU node (default 64MiB)",
-        parse=parse_size,
-    )
-    master_client_ttl: float = setting(
-        DEFAULT_MASTER_CLIENT_TTL_S,
         help=(
-            "external master's --client_ttl in seconds: with --ssd-dir, a restart waits this long after the "
-            "previous daemon's end so the master lets go of its disk blocks (default 10; 0: do not wait)"
+            "disk tier write queue: most bytes copied and waiting for the disk, past which blocks are not written "
+            "(counted; DRAM still serves them), e.g. 1GiB on a GPU node (default 64MiB)"
         ),
-        parse=float,
+        parse=parse_size,
     )
 
     kv_events_endpoint: str = setting(
@@ -233,15 +228,15 @@ class Config:
             raise ConfigError("socket path must not be empty")
         if self.ssd_dir:
             if not os.path.isabs(self.ssd_dir):
-                raise ConfigError(f"ssd-dir must be an absolute path (Mooncake requires one), got {self.ssd_dir!r}")
+                raise ConfigError(f"ssd-dir must be an absolute path, got {self.ssd_dir!r}")
             if self.ssd_size < 64 * MiB:
                 raise ConfigError(f"ssd-size must be at least 64MiB, got {self.ssd_size}")
             if self.ssd_buffer_size < 4 * MiB:
                 raise ConfigError(f"ssd-buffer-size must be at least 4MiB, got {self.ssd_buffer_size}")
             if not self.segment_size:
-                raise ConfigError("ssd-dir needs a segment (segment-size > 0): only a segment's owner offloads")
-        if self.master_client_ttl < 0:
-            raise ConfigError(f"master-client-ttl must be >= 0 seconds, got {self.master_client_ttl}")
+                raise ConfigError(
+                    "ssd-dir needs a segment (segment-size > 0): the disk tier is written behind a DRAM one"
+                )
         self._check_peer_networks()
         self._check_kv_events()
         if self.listen:

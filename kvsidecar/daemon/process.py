@@ -35,7 +35,7 @@ from kvsidecar.rpc.side import SideChannel
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
-from kvsidecar.tiers.disk import DiskTier
+from kvsidecar.tiers.node import DiskTierNode
 from kvsidecar_contract.paths import side_socket_path
 
 __all__ = ["HOUSEKEEPING_INTERVAL_S", "SHUTDOWN_GRACE_S", "Daemon", "serve"]
@@ -56,9 +56,8 @@ class Daemon:
         self, config: Config, *, store: Store | None = None, registry: CollectorRegistry | None = None
     ) -> None:
         self.config = config
-        # A disk tier (Mooncake's offload) reads this node's own disk blocks through Mooncake's offload RPC server
-        # over loopback, so with one the single-node fence lets loopback in (as the multi-node one always does).
-        single_node = not config.master and not config.ssd_dir
+        # The disk tier is the daemon's own (tiers/), so it opens no listener: a single node admits nobody.
+        single_node = not config.master
         self.fence = DaemonFence(
             policy_for(embedded_master=single_node, peer_networks=config.peer_network), self._master_admin_url
         )
@@ -76,7 +75,7 @@ class Daemon:
         self.service: SidecarService | None = None
         self.side: SideChannel | None = None
         self.tenancy: Tenancy | None = None
-        self.disk_tier: DiskTier | None = None
+        self.disk_tier: DiskTierNode | None = None
         self.kv_events: NodeEvents | None = None
         self.failure = ""  # why the daemon stopped itself, if it did
 
@@ -97,16 +96,15 @@ class Daemon:
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
         if cfg.ssd_dir:
-            self.disk_tier = DiskTier(cfg, self.metrics, self._master_metrics_url)
+            # Claims the directory and replays its index (seconds for a full tier): off the event loop.
+            self.disk_tier = await loop.run_in_executor(None, DiskTierNode, cfg, self.metrics, self._master_metrics_url)
         if self._store is None:
             if not cfg.master:
                 self._start_master()
-            elif self.disk_tier is not None:
-                await self.disk_tier.wait_for_master_to_forget()
             self._store = await loop.run_in_executor(None, self._open_store)
-        store = self._store
         if self.disk_tier is not None:
-            await loop.run_in_executor(None, self.disk_tier.report_recovery, store)
+            self._store = self.disk_tier.wrap(self._store)  # one store to the data path: DRAM, the disk behind it
+        store = self._store
         host, port = parse_address(cfg.metrics_address)
         try:
             self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
@@ -135,7 +133,6 @@ class Daemon:
             store,
             self.metrics,
             budget_of=tenancy.budget,
-            count_tiers=self.disk_tier is not None,
             events=self.kv_events.feed if self.kv_events else NO_EVENTS,
         )
         self.service = SidecarService(
@@ -193,7 +190,6 @@ class Daemon:
             binary=self.config.master_binary or None,
             lease_ttl_ms=self.config.master_lease_ttl_ms,
             env=ensure_native_libs(),
-            offload=bool(self.config.ssd_dir),
         )
         self.master.start()
         self.master_address = self.master.address
@@ -220,7 +216,6 @@ class Daemon:
             protocol=cfg.protocol,
             rdma_devices=cfg.rdma_devices,
             replica_num=cfg.replicas,
-            ssd_offload_path=self.disk_tier.environ() if self.disk_tier else "",
         )
         # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
         try:

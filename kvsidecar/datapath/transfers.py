@@ -23,7 +23,6 @@ from kvsidecar.reasons import Reason
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
-from kvsidecar.tiers.holdings import count_tier_hits
 from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, SaveArgs, SaveOutcome
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
@@ -54,16 +53,13 @@ class DataPath:
         metrics: Metrics,
         backoff: NoSpaceBackoff | None = None,
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
-        count_tiers: bool = False,
         events: StoreEvents = NO_EVENTS,
     ) -> None:
-        """budget_of gives a tenant's write budget; count_tiers asks the store where each loaded key was (the disk
-        tier's hit metrics: one metadata call per load, so only with a disk tier); events hears of every value
-        written and every reset (KV events for routers)."""
+        """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
+        for routers)."""
         self.store = store
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
-        self._count_tiers = count_tiers
         self._budget_of = budget_of
         self.events = events
 
@@ -257,15 +253,11 @@ class DataPath:
                     out[i] = exc
             every = [c for _, reads, _, _ in staged for c in reads]
             codes = self._get(every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
-            where = self._where([c.key for c in every]) if every else None
         start = 0
         for i, reads, nowhere, _ in staged:
             end = start + len(reads)
             out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
             start = end
-        if where is not None:
-            ok = [j for j, code in enumerate(codes) if code is StoreCode.OK]
-            count_tier_hits(self.metrics, [where[j] for j in ok], [memory.value_bytes[every[j].group] for j in ok])
         return _filled(out)
 
     def _get(self, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
@@ -292,16 +284,6 @@ class DataPath:
             for j, code in zip(batch, got, strict=True):
                 codes[j] = code
         return codes
-
-    def _where(self, keys: list[str]) -> list[str] | None:
-        if not self._count_tiers:
-            return None
-        try:
-            with self._timed("tiers"):
-                return self.store.tiers(keys)
-        except StoreError as exc:
-            self.metrics.store_errors.labels("tiers", exc.code.value).inc()
-            return None
 
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""
