@@ -198,7 +198,18 @@ class Engine:
         assert isinstance(connector, KVSidecarConnector)
         return connector
 
-    def add(self, req_id: str, prompt: Sequence[int], *, max_tokens: int = 2, cache_salt: str | None = None) -> None:
+    def add(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int = 2,
+        cache_salt: str | None = None,
+        look_up: bool = False,
+    ) -> None:
+        """Add a request; with `look_up`, ask the connector about it as vLLM's scheduler does and wait for the
+        daemon's answer, so that the next step admits it with its hit (else the answer comes a step or more later).
+        """
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
@@ -208,6 +219,10 @@ class Engine:
             block_hasher=self.block_hasher,
         )
         self.scheduler.add_request(request)
+        if look_up:
+            assert self.connector.get_num_new_matched_tokens(request, 0)[0] is not None or (
+                self.connector.wait_for_lookups(60)
+            ), f"no answer to {req_id}'s lookup"
 
     def request(self, req_id: str) -> Request:
         return self.scheduler.requests[req_id]

@@ -138,7 +138,7 @@ def test_requests_of_one_step_share_one_save_call_and_one_load_call(vllm_env, ti
     cold = engine(tiny_model, daemon, cache_prefix, "full")
     try:
         for name, prompt in prompts.items():
-            cold.add(name, prompt)
+            cold.add(name, prompt, look_up=True)
         outputs = [cold.step()]
         # The whole prefill of all three in one step, so that step saves all three.
         assert {s.req_id for s in outputs[0].kv_connector_metadata.saves} == set(prompts)
