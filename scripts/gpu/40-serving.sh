@@ -23,8 +23,10 @@ step() { echo "[$((SECONDS))s] $*"; }
 
 command -v nvidia-smi >/dev/null || { echo "FAIL: no nvidia-smi: this check needs a CUDA GPU"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
-[ -x "$VLLM_VENV/bin/python" ] && [ -x "$DAEMON_VENV/bin/kvsidecar" ] \
-  || { echo "FAIL: 10-vllm-inference's venvs are missing ($VLLM_VENV, $DAEMON_VENV): run that section first"; exit 2; }
+if [ ! -x "$VLLM_VENV/bin/python" ] || [ ! -x "$DAEMON_VENV/bin/kvsidecar" ]; then
+  echo "FAIL: 10-vllm-inference's venvs are missing ($VLLM_VENV, $DAEMON_VENV): run that section first"
+  exit 2
+fi
 "$VLLM_VENV/bin/python" - <<'PY' || { echo "FAIL: the vLLM venv cannot see a GPU or lacks vLLM/the client"; exit 1; }
 import importlib.metadata as m
 import torch
