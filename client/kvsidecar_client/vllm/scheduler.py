@@ -6,7 +6,9 @@ bookkeeping over vLLM's request and block state; the worker side moves the bytes
 Lookups never hold up vLLM's scheduling loop: a request's lookup is sent from a client thread when vLLM first asks
 about it, and vLLM is told "not known yet" (`None`, which vLLM 0.32 and 0.33 take as "ask again next step", keeping
 the request waiting) until the answer is in. A step waits for answers at most `LOOKUP_STEP_WAIT` seconds, all its
-requests together; a lookup not answered within the lookup deadline is a miss.
+requests together (`LOOKUP_IDLE_WAIT` after a step that computed nothing: there is no batch to hold up, and an
+engine spinning through empty steps would take the CPU the daemon needs to answer); a lookup not answered within
+the lookup deadline is a miss.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
 from kvsidecar_client.vllm.plan import Spans, check_save, load_block_ids
 from kvsidecar_client.vllm.specs import EngineGroups
 
-__all__ = ["LOOKUP_STEP_WAIT", "SchedulerSide"]
+__all__ = ["LOOKUP_IDLE_WAIT", "LOOKUP_STEP_WAIT", "SchedulerSide"]
 
 log = logging.getLogger("kvsidecar_client.vllm")
 
 # How long one scheduler step may wait, over all its requests, for lookups in flight: a fast daemon's answer is
 # used in the step that asked (a one-block lookup takes ~1 ms here), a slow one's in a later step.
 LOOKUP_STEP_WAIT = 0.001
+# The same after a step that scheduled no token: the engine is idle but for requests waiting on the connector.
+LOOKUP_IDLE_WAIT = 0.01
 
 
 @dataclass
@@ -75,6 +79,7 @@ class SchedulerSide:
         save: bool = True,
         lookup_deadline: float = DEFAULT_LOOKUP_TIMEOUT,
         step_wait: float = LOOKUP_STEP_WAIT,
+        idle_wait: float = LOOKUP_IDLE_WAIT,
     ) -> None:
         self._client = client
         self._groups = groups
@@ -84,6 +89,7 @@ class SchedulerSide:
         self._save = save
         self._lookup_deadline = lookup_deadline
         self._step_wait = step_wait
+        self._idle_wait = idle_wait
         self._wait_left = step_wait  # of this step's wait for lookups in flight
         self._recurrent = any(g.recurrent for g in shape.groups)
         self._tracked: dict[str, _Tracked] = {}
@@ -224,8 +230,10 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVSidecarMetadata:
         """This step's loads and saves, and the blocks it may write (which saves still reading them must fence)."""
-        # vLLM builds the metadata once at the end of each schedule(): the next step may wait afresh.
-        self._wait_left = self._step_wait
+        # vLLM builds the metadata once at the end of each schedule(): the next step may wait afresh, longer when
+        # this one computed nothing (no running request to hold up).
+        busy = bool(getattr(scheduler_output, "num_scheduled_tokens", None))
+        self._wait_left = self._step_wait if busy else self._idle_wait
         meta = KVSidecarMetadata(loads=self._pending_loads, delayed_saves=frozenset(self._delayed_saves))
         self._pending_loads = []
         self._delayed_saves = set()
