@@ -48,8 +48,8 @@ def main() -> int:
                         waited.append(t1 - t0)
                         started.append(t2 - t1)
             print(
-                f"{tokens} tokens, hit {hit.hit_tokens}: waiting for the lookup p50 {statistics.median(waited) * 1e3:.2f} "
-                f"ms (max {max(waited) * 1e3:.2f}); starting it p50 {statistics.median(started) * 1e6:.0f} us "
+                f"{tokens} tokens, hit {hit.hit_tokens}: waiting for the lookup p50 "
+                f"{statistics.median(waited) * 1e3:.2f} ms (max {max(waited) * 1e3:.2f}); starting it p50 {statistics.median(started) * 1e6:.0f} us "
                 f"(max {max(started) * 1e6:.0f})",
                 flush=True,
             )
