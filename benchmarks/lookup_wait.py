@@ -47,10 +47,11 @@ def main() -> int:
                     if i >= 2:
                         waited.append(t1 - t0)
                         started.append(t2 - t1)
+            wait_ms = statistics.median(waited) * 1e3
+            start_us = statistics.median(started) * 1e6
             print(
-                f"{tokens} tokens, hit {hit.hit_tokens}: waiting for the lookup p50 "
-                f"{statistics.median(waited) * 1e3:.2f} ms (max {max(waited) * 1e3:.2f}); starting it p50 {statistics.median(started) * 1e6:.0f} us "
-                f"(max {max(started) * 1e6:.0f})",
+                f"{tokens} tokens, hit {hit.hit_tokens}: waiting for the lookup p50 {wait_ms:.2f} ms "
+                f"(max {max(waited) * 1e3:.2f}); starting it p50 {start_us:.0f} us (max {max(started) * 1e6:.0f})",
                 flush=True,
             )
     finally:
