@@ -29,6 +29,7 @@ from kvsidecar_client.batch import (
 )
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
+    ClientClosed,
     DaemonUnavailable,
     InvalidRequest,
     PreconditionFailed,
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["MAX_REGIONS", "SidecarClient"]
+
+# Lookups started with `lookup_async` run as blocking calls on this many threads per client (a scheduler's arrivals
+# of one step are looked up side by side; more wait their turn, their deadline counting from the start of the call).
+_LOOKUP_WORKERS = 4
 
 
 class SidecarClient:
@@ -70,6 +75,7 @@ class SidecarClient:
         self._deadlines = self._keeper.deadlines
         # Saves are sent, and re-sent after a lost session, from here.
         self._saves = SaveSender(self._keeper)
+        self._lookups = concurrent.futures.ThreadPoolExecutor(_LOOKUP_WORKERS, "kvsidecar-lookup")
 
     @classmethod
     def connect(
@@ -232,6 +238,28 @@ class SidecarClient:
             return Hit.miss(len(self._spec.groups), f"daemon unavailable: {error}")
         return Hit.from_proto(response)
 
+    def lookup_async(
+        self,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        *,
+        eagle: bool = False,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[Hit]:
+        """Start `lookup` on a client thread and return its future at once (for a caller that must never wait).
+
+        The future holds what `lookup` returns (a degraded miss when the daemon is unreachable or past the
+        deadline) or the SidecarError it raises, bad input (InvalidRequest) included: building the request of a
+        long prompt is work this call leaves to the client thread. Cancelling a lookup not yet started keeps it
+        from being sent; one already sent completes, and its answer is dropped with the future.
+        """
+        self._keeper.check_open("Lookup")
+        hashes = list(block_hashes)  # the caller may change its sequence meanwhile
+        try:
+            return self._lookups.submit(self.lookup, hashes, num_tokens, eagle=eagle, timeout=timeout)
+        except RuntimeError:  # the pool is shut down: the client closed
+            raise ClientClosed("the client is closed", method="Lookup") from None
+
     def load_detailed(
         self,
         block_hashes: Sequence[bytes],
@@ -330,6 +358,7 @@ class SidecarClient:
             return
         timeout = self._deadlines.control if timeout is None else timeout
         concurrent.futures.wait(self._saves.pending(), timeout=timeout)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         self._keeper.close(timeout)
         self._saves.shutdown()
 

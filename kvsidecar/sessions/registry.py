@@ -170,7 +170,14 @@ class SessionRegistry:
         finally:
             _close_fds(fds)
         try:
-            self._owners.claim(session.id, memory)
+            try:
+                self._owners.claim(session.id, memory)
+            except Forbidden:
+                # The owner may be a session whose lease ran out before housekeeping released it: a rank that
+                # reconnects after its lease expired registers the same memory again. Release the expired, retry.
+                if not self.expire():
+                    raise
+                self._owners.claim(session.id, memory)
             self._shapes.claim(
                 session.id,
                 [

@@ -100,6 +100,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 eagle=spec is not None and spec.use_eagle_block_drop(),
                 load=transfer.is_kv_consumer,
                 save=transfer.is_kv_producer,
+                lookup_deadline=settings.deadlines.lookup,
             )
         else:
             self._worker = WorkerSide(
@@ -119,6 +120,15 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def client(self) -> SidecarClient:
         """The session with the daemon (for operators and tests: stats, session info)."""
         return self._client
+
+    @property
+    def lookups_in_flight(self) -> int:
+        """Scheduler only: requests whose lookup was sent and whose answer vLLM has not taken up yet."""
+        return self._scheduler_side().lookups_in_flight
+
+    def wait_for_lookups(self, timeout: float) -> bool:
+        """Scheduler only: wait up to `timeout` s for every lookup in flight to be answered (True: none left)."""
+        return self._scheduler_side().wait_for_lookups(timeout)
 
     def _scheduler_side(self) -> SchedulerSide:
         if self._scheduler is None:

@@ -164,3 +164,24 @@ def test_named_segments_need_the_right_granted():
     with pytest.raises(Forbidden, match="/dev/shm names are for trusted ranks only"):
         reg.attach(s, [shm_region("x")])
     assert s.memory is None and not s.shm_names
+
+
+def test_memory_of_a_session_whose_lease_ran_out_can_be_registered_again_before_housekeeping():
+    clock = Clock()
+    reg = registry(10, clock)
+    seg = shared_memory.SharedMemory(create=True, size=8192)
+    try:
+        old = reg.open(Role.RANK, LAYOUT, 32, "old", grant=TRUSTED)
+        reg.attach(old, [shm_region(seg.name)])
+        clock.now += 11  # the old rank's lease ran out; housekeeping has not run yet
+        new = reg.open(Role.RANK, LAYOUT, 32, "new", grant=TRUSTED)
+        assert reg.attach(new, [shm_region(seg.name)]).mapped_bytes == 8192
+        assert old.closed and old.memory is None
+        # A live owner still keeps its memory its own.
+        other = reg.open(Role.RANK, LAYOUT, 32, "other", grant=TRUSTED)
+        with pytest.raises(Forbidden, match="registered by another session"):
+            reg.attach(other, [shm_region(seg.name)])
+    finally:
+        reg.close_all()
+        seg.close()
+        seg.unlink()
