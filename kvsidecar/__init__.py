@@ -4,10 +4,11 @@ Its rooms, lowest first; each may import only rooms below it (its docstring's `I
 tests/unit/daemon/test_layering.py), and the pure placement rules come from kvsidecar_contract:
 
 - `errors`: every error family; `store/`: the only code that touches Mooncake; `fence/`: the listener fence
+- `events/`: KV events for routers (their endpoints' rule is also config's)
 - `reasons`: why a block was not saved or loaded; `config`: every setting; `metrics`: every exported metric
 - `values`: the domain values requests carry in and results carry out
 - `memory/`: every address; `tenancy/`: credentials, rights, budgets
-- `sessions/`: sessions and their leases; `tiers/`: the disk tier; `events/`: KV events for routers
+- `sessions/`: sessions and their leases; `tiers/`: the disk tier
 - `datapath/`: save, lookup, load, reset against the store
 - `rpc/`: the gRPC boundary; `daemon/`: the process
 - `cli/`: the command line; `testing/`: real parts for tests, the demo and the bench
