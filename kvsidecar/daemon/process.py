@@ -32,6 +32,7 @@ from kvsidecar.rpc.side import SideChannel
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
+from kvsidecar.tenancy.shares import SessionShares
 from kvsidecar.tiers.disk import DiskTier
 from kvsidecar_contract.paths import side_socket_path
 
@@ -110,7 +111,11 @@ class Daemon:
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
         # Built in dependency order: the store's buffer registration into the sessions, both into the service.
         sessions = SessionRegistry(
-            cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
+            cfg.session_ttl,
+            store.register_buffer,
+            store.unregister_buffer,
+            metrics=self.metrics,
+            shares=SessionShares.of(cfg),
         )
         tenancy = self.tenancy
         datapath = DataPath(store, self.metrics, budget_of=tenancy.budget, count_tiers=self.disk_tier is not None)

@@ -13,6 +13,8 @@ Pure: parsing a TOML text and matching credentials; reading the file and reloadi
     shm_names = false                  # may register /dev/shm names (trusted ranks only; see docs/security.md)
     write_bytes_per_second = "64MiB"   # optional write budget, with a burst
     write_burst_bytes = "256MiB"
+    max_registered_bytes = "256GiB"    # optional: host memory its sessions may register (default: the daemon's
+                                       # --max-registered-bytes-per-account)
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ _KEYS = {
     "shm_names",
     "write_bytes_per_second",
     "write_burst_bytes",
+    "max_registered_bytes",
 }
 
 
@@ -107,6 +110,7 @@ class Tenant:
     admin: bool = False
     shm_names: bool = False
     budget: Budget | None = None
+    max_registered_bytes: int | None = None  # None: the daemon's per-account cap
 
     def matches(self, caller: Caller) -> bool:
         """Whether the caller holds one of this tenant's credentials."""
@@ -236,6 +240,11 @@ def _tenant(name: str, body: object, source: str) -> Tenant:
         budget = Budget(rate, burst)
     elif "write_burst_bytes" in body:
         raise ConfigError(f"{where}: write_burst_bytes needs write_bytes_per_second")
+    max_registered = None
+    if "max_registered_bytes" in body:
+        max_registered = _size(body["max_registered_bytes"], f"{where}: max_registered_bytes")
+        if max_registered < 1:
+            raise ConfigError(f"{where}: max_registered_bytes must be at least 1 byte")
     return Tenant(
         name=name,
         uids=frozenset(uids),
@@ -247,6 +256,7 @@ def _tenant(name: str, body: object, source: str) -> Tenant:
         admin=admin,
         shm_names=shm_names,
         budget=budget,
+        max_registered_bytes=max_registered,
     )
 
 

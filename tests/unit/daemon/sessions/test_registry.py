@@ -83,6 +83,7 @@ def test_a_session_in_use_does_not_expire_and_renews_when_done():
 @pytest.fixture
 def segment():
     shm = shared_memory.SharedMemory(create=True, size=8192)
+    shm.buf[:] = bytes(8192)  # backed by its owner, as the client's segments are (the daemon backs none)
     yield shm
     shm.close()
     shm.unlink()
