@@ -70,13 +70,14 @@ def start(sockdir: Path, a, b, master: str, *extra: str) -> DaemonProcess:
     return DaemonProcess(sockdir, master=master, extra=args).start()
 
 
-def body(d: DaemonProcess, user: pwd.struct_passwd, steps) -> str:
-    return json.dumps({"target": d.target, "uid": user.pw_uid, "gid": user.pw_gid, "steps": [list(s) for s in steps]})
+def body(d: DaemonProcess, user: pwd.struct_passwd, steps, model: str = "org/model") -> str:
+    spec = {"target": d.target, "uid": user.pw_uid, "gid": user.pw_gid, "steps": [list(s) for s in steps]}
+    return json.dumps({**spec, "model": model})
 
 
-def engine(d: DaemonProcess, user: pwd.struct_passwd, *steps, timeout: float = 180) -> list[dict]:
-    out = subprocess.run([sys.executable, str(ENGINE), body(d, user, steps)], capture_output=True, text=True,
-                         timeout=timeout)  # fmt: skip
+def engine(d: DaemonProcess, user: pwd.struct_passwd, *steps, model: str = "org/model") -> list[dict]:
+    out = subprocess.run([sys.executable, str(ENGINE), body(d, user, steps, model)], capture_output=True, text=True,
+                         timeout=180)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -232,5 +233,47 @@ def test_one_uid_minting_tickets_and_holding_side_connections_leaves_another_its
         assert all(g.get("ok") for g in good), good
         assert all(g["written"] == 4 for g in good[1::2]), good
         assert d.alive() and d.serving()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_two_tenants_sharing_a_prefix_are_granted_by_what_keys_carry(users, sockdir, mooncake_master):
+    """Row 6: models `org-a/*` and `org-b/*` under one prefix cannot be told apart by keys (they carry `Llama`):
+    such a file is refused; rights on what keys carry keep A from B's values and its Reset from removing them."""
+    a, b = users
+    bad = sockdir / "bad.toml"
+    bad.write_text(
+        f'[tenants.alpha]\nuids = [{a.pw_uid}]\nprefixes = ["shared"]\nmodels = ["org-a/*"]\n\n'
+        f'[tenants.beta]\nuids = [{b.pw_uid}]\nprefixes = ["shared"]\nmodels = ["org-b/*"]\n'
+    )
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvsidecar", "serve", "--tenants", str(bad), "--socket", str(sockdir / "bad.sock"),
+         "--master", mooncake_master.address, "--metrics-address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    assert "model pattern 'org-a/*': models match what keys carry" in refused.stdout + refused.stderr
+
+    good = sockdir / "tenants.toml"
+    good.write_text(
+        f'[tenants.alpha]\nuids = [{a.pw_uid}]\nprefixes = ["shared"]\nmodels = ["Llama*"]\n\n'
+        f'[tenants.beta]\nuids = [{b.pw_uid}]\nprefixes = ["shared"]\nmodels = ["Qwen*"]\n'
+    )
+    d = DaemonProcess(
+        sockdir, master=mooncake_master.address, extra=("--tenants", str(good), "--socket-mode", "0666")
+    ).start()
+    try:
+        mine = engine(d, b, ("open", "shared"), ("save", "b-secret", 4), model="org-b/Qwen")
+        assert mine[1]["written"] == 4, mine
+        # A asks for the same model name of its own org: the same keys, so the same rule, which A does not hold.
+        probe = engine(d, a, ("open", "shared"), model="org-a/Qwen")[0]
+        assert probe.get("code") == "PERMISSION_DENIED", probe
+        assert (
+            "tenant alpha may not open sessions under cache prefix 'shared' for model 'org-a/Qwen'" in probe["reason"]
+        )
+        own = engine(d, a, ("open", "shared"), ("hits", "b-secret", 4), ("reset",), model="org-a/Llama")
+        assert own[1]["hit_blocks"] == 0 and own[2]["ok"], own
+        after = engine(d, b, ("open", "shared"), ("hits", "b-secret", 4), model="org-b/Qwen")
+        assert after[1]["hit_blocks"] == 4, after  # A's Reset removed none of B's values
     finally:
         assert d.stop() == 0, d.log()

@@ -162,3 +162,33 @@ def test_hostile_side_requests_are_refused_with_reasons(side, tmp_path):
     finally:
         for x in (fd, pipe_r, pipe_w):
             os.close(x)
+
+
+def test_descriptors_the_kernel_could_not_install_are_reported_as_such(side):
+    """MSG_CTRUNC at the daemon's fd limit is named as what it is, not as a request too large."""
+    import resource
+
+    channel, reg, _ = side
+    s = mine(reg)
+    fds = [memfd() for _ in range(8)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(5)
+            sock.connect(channel.path)
+            # This process is the daemon here: leave room for the accepted connection and two of the eight fds.
+            limit = max(*fds, sock.fileno()) + 1
+            while limit - sum(int(fd) < limit for fd in os.listdir("/proc/self/fd")) < 3:
+                limit += 1
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            body = {"op": "fds", "session": s.id, "secret": s.side_secret.hex()}
+            socket.send_fds(sock, [json.dumps(body).encode()], fds)
+            answer = json.loads(sock.recv(4096))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fds:
+            os.close(fd)
+    assert not answer["ok"] and answer["code"] == "RESOURCE_EXHAUSTED", answer
+    assert "the kernel truncated the passed descriptors (MSG_CTRUNC)" in answer["error"], answer
+    assert "open-file limit (RLIMIT_NOFILE)" in answer["error"], answer
+    assert reg.shares.memfds.held() == 0  # nothing was accepted
