@@ -221,6 +221,15 @@ class Config:
     max_sessions_per_account: int = setting(
         DEFAULT_MAX_SESSIONS_PER_ACCOUNT, help="open sessions of one tenant or uid (default 1024)", parse=int
     )
+    lookups_per_account: int = setting(
+        1,
+        help=(
+            "lookups of one tenant or uid running at once; more wait their turn, so one account's huge lookups "
+            "cannot hold every lookup thread (default 1)"
+        ),
+        parse=int,
+    )
+    lookup_workers: int = setting(2, help="threads running lookups, apart from saves and loads (default 2)", parse=int)
     max_memfds: int = setting(
         DEFAULT_MAX_MEMFDS, help="memfds held for all sessions, parked or mapped (default 4096)", parse=int
     )
@@ -244,6 +253,8 @@ class Config:
             "max_sessions_per_account",
             "max_memfds",
             "max_memfds_per_account",
+            "lookups_per_account",
+            "lookup_workers",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

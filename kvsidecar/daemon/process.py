@@ -125,6 +125,8 @@ class Daemon:
             tenancy,
             self.metrics,
             workers=cfg.workers,
+            lookup_workers=cfg.lookup_workers,
+            lookups_per_account=cfg.lookups_per_account,
             master_address=self.master_address,
             side_socket=True,
             listeners=self.fence.listeners_with_drops,

@@ -124,6 +124,12 @@ class SessionRegistry:
             session.expires_at = self._clock() + self.ttl
             return session
 
+    def account_of(self, session_id: str) -> str:
+        """The account a session draws its shares from ("" for an unknown session: its call will say so)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        return session.account if session is not None else ""
+
     @contextmanager
     def use(self, session_id: str) -> Iterator[Session]:
         """The live session, held for one request: it cannot expire meanwhile, and its lease renews at the end."""
