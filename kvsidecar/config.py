@@ -43,6 +43,7 @@ DEFAULT_MAX_REGISTERED_BYTES = 1 * TiB  # host memory (memfds, /dev/shm) registe
 DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT = 512 * GiB  # ... by one tenant (tenants file: max_registered_bytes) or uid
 DEFAULT_MAX_SESSIONS = 4096
 DEFAULT_MAX_SESSIONS_PER_ACCOUNT = 1024
+DEFAULT_MAX_LOOKUP_HASHES = 1 << 17  # a 2M-token prompt at 16-token blocks; one call's work holds the GIL throughout
 DEFAULT_MAX_MEMFDS = 4096  # memfds parked or mapped (each mapped one holds two of the daemon's descriptors)
 DEFAULT_MAX_MEMFDS_PER_ACCOUNT = 1024
 
@@ -229,6 +230,14 @@ class Config:
         ),
         parse=int,
     )
+    max_lookup_hashes: int = setting(
+        DEFAULT_MAX_LOOKUP_HASHES,
+        help=(
+            "block hashes one Lookup may probe (default 131072: a 2M-token prompt at 16-token blocks); a bigger "
+            "call is refused with this limit named, so one client's huge lookups cannot stall the others'"
+        ),
+        parse=int,
+    )
     lookup_workers: int = setting(2, help="threads running lookups, apart from saves and loads (default 2)", parse=int)
     max_memfds: int = setting(
         DEFAULT_MAX_MEMFDS, help="memfds held for all sessions, parked or mapped (default 4096)", parse=int
@@ -255,6 +264,7 @@ class Config:
             "max_memfds_per_account",
             "lookups_per_account",
             "lookup_workers",
+            "max_lookup_hashes",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -118,7 +118,13 @@ class Daemon:
             shares=SessionShares.of(cfg),
         )
         tenancy = self.tenancy
-        datapath = DataPath(store, self.metrics, budget_of=tenancy.budget, count_tiers=self.disk_tier is not None)
+        datapath = DataPath(
+            store,
+            self.metrics,
+            budget_of=tenancy.budget,
+            count_tiers=self.disk_tier is not None,
+            max_lookup_hashes=cfg.max_lookup_hashes,
+        )
         self.service = SidecarService(
             datapath,
             sessions,

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
-from kvsidecar.errors import StoreError
+from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.reasons import Reason
@@ -24,6 +24,7 @@ from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
 from kvsidecar.tiers.holdings import count_tier_hits
 from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, SaveArgs, SaveOutcome
+from kvsidecar_contract.limits import MAX_HASHES
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
     NO_BLOCK,
@@ -54,10 +55,13 @@ class DataPath:
         backoff: NoSpaceBackoff | None = None,
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
         count_tiers: bool = False,
+        max_lookup_hashes: int = MAX_HASHES,
     ) -> None:
         """budget_of gives a tenant's write budget; count_tiers asks the store where each loaded key was (the disk
-        tier's hit metrics: one metadata call per load, so only with a disk tier)."""
+        tier's hit metrics: one metadata call per load, so only with a disk tier); max_lookup_hashes bounds one
+        Lookup's work (--max-lookup-hashes)."""
         self.store = store
+        self.max_lookup_hashes = max_lookup_hashes
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
         self._count_tiers = count_tiers
@@ -180,6 +184,12 @@ class DataPath:
 
     def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
+        if len(request.hashes) > self.max_lookup_hashes:
+            # One call's work holds the GIL and a lookup thread for all of it: bounded, so others' lookups go on.
+            raise BadRequest(
+                f"a Lookup of {len(request.hashes)} block hashes: at most {self.max_lookup_hashes} per call "
+                "(--max-lookup-hashes); look up the prompt's first blocks, a hit never extends past a miss"
+            )
         geo = session.geometry
         num_tokens = request.num_tokens
         staged = StagedLookup(geo, request.hashes, num_tokens, eagle=request.eagle)
