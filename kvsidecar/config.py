@@ -36,6 +36,15 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 DEFAULT_SESSION_TTL_S = 10.0
 DEFAULT_SSD_BYTES = 8 * GiB  # laptop-sized; see docs/ssd-tier.md for a GPU node
 DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # the disk tier's write queue: about a second of a laptop's saves
+TiB = 1 << 40
+# Fair shares, sized for a GPU node (8 GPUs, 1-2 TiB of host memory, one engine uid or a few): see docs/security.md.
+DEFAULT_MAX_REGISTERED_BYTES = 1 * TiB  # host memory (memfds, /dev/shm) registered by all sessions together
+DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT = 512 * GiB  # ... by one tenant (tenants file: max_registered_bytes) or uid
+DEFAULT_MAX_SESSIONS = 4096
+DEFAULT_MAX_SESSIONS_PER_ACCOUNT = 1024
+DEFAULT_MAX_LOOKUP_HASHES = 1 << 17  # a 2M-token prompt at 16-token blocks; one call's work holds the GIL throughout
+DEFAULT_MAX_MEMFDS = 4096  # memfds parked or mapped (each mapped one holds two of the daemon's descriptors)
+DEFAULT_MAX_MEMFDS_PER_ACCOUNT = 1024
 
 
 def parse_size(text: str | int) -> int:
@@ -207,6 +216,51 @@ class Config:
         parse=bool,
     )
 
+    max_registered_bytes: int = setting(
+        DEFAULT_MAX_REGISTERED_BYTES,
+        help=(
+            "host memory (memfds, /dev/shm segments) all sessions together may register, e.g. 1TiB (default 1TiB); "
+            "a rank that punches holes in its memory can make the daemon fault at most this back in on its own "
+            "account, so size the daemon's memory limit for segment-size plus this where ranks are untrusted"
+        ),
+        parse=parse_size,
+    )
+    max_registered_bytes_per_account: int = setting(
+        DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT,
+        help=(
+            "host memory one account may register: a tenant (its max_registered_bytes in the tenants file "
+            "overrides this) or, without a tenants file, a uid (default 512GiB)"
+        ),
+        parse=parse_size,
+    )
+    max_sessions: int = setting(DEFAULT_MAX_SESSIONS, help="open sessions, all accounts (default 4096)", parse=int)
+    max_sessions_per_account: int = setting(
+        DEFAULT_MAX_SESSIONS_PER_ACCOUNT, help="open sessions of one tenant or uid (default 1024)", parse=int
+    )
+    lookups_per_account: int = setting(
+        1,
+        help=(
+            "lookups of one tenant or uid running at once; more wait their turn, so one account's huge lookups "
+            "cannot hold every lookup thread (default 1)"
+        ),
+        parse=int,
+    )
+    max_lookup_hashes: int = setting(
+        DEFAULT_MAX_LOOKUP_HASHES,
+        help=(
+            "block hashes one Lookup may probe (default 131072: a 2M-token prompt at 16-token blocks); a bigger "
+            "call is refused with this limit named, so one client's huge lookups cannot stall the others'"
+        ),
+        parse=int,
+    )
+    lookup_workers: int = setting(2, help="threads running lookups, apart from saves and loads (default 2)", parse=int)
+    max_memfds: int = setting(
+        DEFAULT_MAX_MEMFDS, help="memfds held for all sessions, parked or mapped (default 4096)", parse=int
+    )
+    max_memfds_per_account: int = setting(
+        DEFAULT_MAX_MEMFDS_PER_ACCOUNT, help="memfds held for one tenant's or uid's sessions (default 1024)", parse=int
+    )
+
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"protocol must be tcp or rdma, got {self.protocol!r}")
@@ -216,6 +270,19 @@ class Config:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
         if self.session_ttl <= 0:
             raise ConfigError(f"session-ttl must be > 0 seconds, got {self.session_ttl}")
+        for name in (
+            "max_registered_bytes",
+            "max_registered_bytes_per_account",
+            "max_sessions",
+            "max_sessions_per_account",
+            "max_memfds",
+            "max_memfds_per_account",
+            "lookups_per_account",
+            "lookup_workers",
+            "max_lookup_hashes",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if not 0 <= self.socket_mode <= 0o777:

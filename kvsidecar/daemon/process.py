@@ -35,6 +35,7 @@ from kvsidecar.rpc.side import SideChannel
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
+from kvsidecar.tenancy.shares import SessionShares
 from kvsidecar.tiers.node import DiskTierNode
 from kvsidecar_contract.paths import side_socket_path
 
@@ -126,7 +127,11 @@ class Daemon:
                 raise DaemonError(str(exc)) from None
         # Built in dependency order: the store's buffer registration into the sessions, both into the service.
         sessions = SessionRegistry(
-            cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
+            cfg.session_ttl,
+            store.register_buffer,
+            store.unregister_buffer,
+            metrics=self.metrics,
+            shares=SessionShares.of(cfg),
         )
         tenancy = self.tenancy
         datapath = DataPath(
@@ -134,6 +139,7 @@ class Daemon:
             self.metrics,
             budget_of=tenancy.budget,
             events=self.kv_events.feed if self.kv_events else NO_EVENTS,
+            max_lookup_hashes=cfg.max_lookup_hashes,
         )
         self.service = SidecarService(
             datapath,
@@ -141,6 +147,8 @@ class Daemon:
             tenancy,
             self.metrics,
             workers=cfg.workers,
+            lookup_workers=cfg.lookup_workers,
+            lookups_per_account=cfg.lookups_per_account,
             master_address=self.master_address,
             side_socket=True,
             listeners=self.fence.listeners_with_drops,

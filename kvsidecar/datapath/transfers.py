@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
-from kvsidecar.errors import StoreError
+from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
@@ -24,6 +24,7 @@ from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
 from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, SaveArgs, SaveOutcome
+from kvsidecar_contract.limits import MAX_HASHES
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
     NO_BLOCK,
@@ -54,10 +55,12 @@ class DataPath:
         backoff: NoSpaceBackoff | None = None,
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
         events: StoreEvents = NO_EVENTS,
+        max_lookup_hashes: int = MAX_HASHES,
     ) -> None:
         """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
-        for routers)."""
+        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes)."""
         self.store = store
+        self.max_lookup_hashes = max_lookup_hashes
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
         self._budget_of = budget_of
@@ -184,6 +187,12 @@ class DataPath:
 
     def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
+        if len(request.hashes) > self.max_lookup_hashes:
+            # One call's work holds the GIL and a lookup thread for all of it: bounded, so others' lookups go on.
+            raise BadRequest(
+                f"a Lookup of {len(request.hashes)} block hashes: at most {self.max_lookup_hashes} per call "
+                "(--max-lookup-hashes); look up the prompt's first blocks, a hit never extends past a miss"
+            )
         geo = session.geometry
         num_tokens = request.num_tokens
         staged = StagedLookup(geo, request.hashes, num_tokens, eagle=request.eagle)

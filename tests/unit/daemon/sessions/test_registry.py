@@ -83,6 +83,7 @@ def test_a_session_in_use_does_not_expire_and_renews_when_done():
 @pytest.fixture
 def segment():
     shm = shared_memory.SharedMemory(create=True, size=8192)
+    shm.buf[:] = bytes(8192)  # backed by its owner, as the client's segments are (the daemon backs none)
     yield shm
     shm.close()
     shm.unlink()
@@ -166,10 +167,10 @@ def test_named_segments_need_the_right_granted():
     assert s.memory is None and not s.shm_names
 
 
-def test_memory_of_a_session_whose_lease_ran_out_can_be_registered_again_before_housekeeping():
+def test_memory_of_a_session_whose_lease_ran_out_can_be_registered_again_before_housekeeping(segment):
     clock = Clock()
     reg = registry(10, clock)
-    seg = shared_memory.SharedMemory(create=True, size=8192)
+    seg = segment
     try:
         old = reg.open(Role.RANK, LAYOUT, 32, "old", grant=TRUSTED)
         reg.attach(old, [shm_region(seg.name)])
@@ -183,5 +184,3 @@ def test_memory_of_a_session_whose_lease_ran_out_can_be_registered_again_before_
             reg.attach(other, [shm_region(seg.name)])
     finally:
         reg.close_all()
-        seg.close()
-        seg.unlink()
