@@ -1,21 +1,26 @@
-"""The disk tier (--ssd-dir) through a real daemon: save rate into a full DRAM tier, load throughput from disk against a
-plain sequential read of the same bytes on the same disk, and the hit rate across a restart.
+"""The disk tier (--ssd-dir) through a real daemon, against the disk itself, in one run.
 
-    .venv/bin/python benchmarks/ssd_tier.py [--segment 256MiB] [--times 4] [--dir /path/on/the/disk] [--out FILE.md]
+    .venv/bin/python benchmarks/ssd_tier.py [--segment 256MiB] [--times 4] [--queue 256MiB] [--dir /path] [--out FILE]
 
-One rank (the public client, one MLA-like group of 1 MiB blocks) saves prompts of 16 blocks until it has stored
-`--times` x the DRAM segment, retrying the prompts that meet a full segment (no_space) the way an engine's next save
-would. It then loads the earliest prompts (evicted, so on disk) and reads the disk tier's bucket files with plain
-sequential reads (buffered, and O_DIRECT where the filesystem allows it). Finally the daemon is stopped (SIGTERM) and
-started again, and every prompt is looked up. Everything runs in a temporary directory under --dir, removed after.
+First the filesystem under --dir alone: O_DIRECT writes of `--times` x the segment in 16 MiB batches (each made
+durable, as the tier does), O_DIRECT reads of the same bytes in 1 MiB requests four at a time, and the same reads
+buffered from a cold page cache into unaligned memory (the tier's read path). Then a daemon with a DRAM segment of
+--segment: one rank (the public client, one MLA-like group of 1 MiB blocks, 16 per prompt) saves as fast as it can
+until it has stored `--times` x the segment; the sustained rate is bytes over the time until the disk tier has
+made every value durable. A second daemon gets the same saves offered at half the raw write rate, and every prompt is
+then loaded back (lost values: any that do not come back byte-exact). The earliest prompts (evicted from DRAM, on
+disk only) are loaded cold (page cache dropped) and warm; then the daemon is stopped (SIGTERM) and started again and
+every prompt loaded. Everything runs in a temporary directory under --dir, removed after.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import mmap
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,20 +29,24 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.config import parse_size
-from kvsidecar.tiers.directory import inventory
+from kvsidecar.tiers.records import indexed_keys
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
 
 MiB = 1 << 20
+GiB = 1 << 30
 BLOCK_TOKENS = 16
 BLOCK_ELEMS = MiB // 2  # bf16: 1 MiB per block
 BLOCKS_PER_PROMPT = 16
 SLOTS = 2 * BLOCKS_PER_PROMPT
+BATCH = 16 * MiB  # the tier's write batch
+DEPTH = 4  # the tier's reads in flight
 
 
 def free_port() -> int:
@@ -47,30 +56,35 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, work: Path, segment: int, ssd_size: int, buffer: int) -> None:
-        self.work, self.segment, self.ssd_size, self.buffer = work, segment, ssd_size, buffer
+    def __init__(self, work: Path, segment: int, ssd_size: int, queue: int) -> None:
+        """ssd_size 0: no disk tier."""
+        self.work, self.segment, self.ssd_size, self.queue = work, segment, ssd_size, queue
+        work.mkdir(parents=True, exist_ok=True)
         self.socket = str(work / "kvsidecar.sock")
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
         began = time.monotonic()
+        # --allow-shm-names: its ranks are this bench's own processes, registering named segments.
         args = [sys.executable, "-m", "kvsidecar", "serve", "--socket", self.socket,
                 "--metrics-address", f"127.0.0.1:{self.port}", "--segment-size", str(self.segment),
-                "--ssd-dir", str(self.work / "ssd"), "--ssd-size", str(self.ssd_size),
-                "--ssd-buffer-size", str(self.buffer), "--log-level", "info"]  # fmt: skip
+                "--log-level", "info", "--allow-shm-names"]  # fmt: skip
+        if self.ssd_size:
+            args += ["--ssd-dir", str(self.work / "ssd"), "--ssd-size", str(self.ssd_size),
+                     "--ssd-buffer-size", str(self.queue)]  # fmt: skip
         log = open(self.work / "daemon.log", "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         while "ready:" not in (self.work / "daemon.log").read_text(errors="replace").split("kvsidecar stopping")[-1]:
             if self.proc.poll() is not None:
                 raise SystemExit((self.work / "daemon.log").read_text())
-            time.sleep(0.1)
+            time.sleep(0.05)
         return time.monotonic() - began
 
     def stop(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
+        self.proc.wait(120)
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
@@ -81,6 +95,33 @@ class Daemon:
                 label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{label}}}" if label else s.name] = s.value
         return out
+
+    def durable(self, blocks: int, timeout: float = 600) -> tuple[dict[str, float], int, float]:
+        """Wait until every saved value is durable on disk (its index record is written after its bytes) or skipped;
+        (metrics, values durable, when the last of them became durable).
+
+        Watches the index files rather than the metrics, which the daemon brings up to date only once a second (a
+        skipped value is seen that late, so the end is when the index last grew, not when the wait noticed).
+        """
+        deadline = time.monotonic() + timeout
+        checked = 0.0
+        skipped = 0.0
+        count, last = 0, time.monotonic()
+        while True:
+            now = len(indexed_keys(self.work / "ssd"))
+            if now != count:
+                count, last = now, time.monotonic()
+            if count + skipped >= blocks or time.monotonic() > deadline:
+                return self.metrics(), count, last
+            if time.monotonic() - checked > 0.5:
+                checked = time.monotonic()
+                m = self.metrics()
+                skipped = sum(v for k, v in m.items() if k.startswith("kvsidecar_disk_tier_skipped_writes_total"))
+            time.sleep(0.005)
+
+    def recovery_line(self) -> str:
+        lines = [ln for ln in (self.work / "daemon.log").read_text().splitlines() if "recovered" in ln]
+        return lines[-1].split(": ", 1)[-1] if lines else ""
 
 
 def prompt_hashes(p: int) -> list[bytes]:
@@ -97,165 +138,286 @@ def connect(daemon: Daemon) -> tuple[SidecarClient, torch.Tensor]:
         hash_block_size=BLOCK_TOKENS, groups=[GroupSpec("mla", BLOCK_TOKENS)], client_name="ssd-bench",
     )  # fmt: skip
     kv = shared_tensor((SLOTS, BLOCK_ELEMS), torch.bfloat16)
+    body = torch.Generator().manual_seed(1)
+    kv[:BLOCKS_PER_PROMPT].view(torch.int16).copy_(
+        torch.randint(-(1 << 15), 1 << 15, (BLOCKS_PER_PROMPT, BLOCK_ELEMS), generator=body, dtype=torch.int16)
+    )
     client.register([kv], groups_of_tensor=[(0,)])
     return client, kv
 
 
 def fill(kv: torch.Tensor, p: int) -> None:
-    view = kv[:BLOCKS_PER_PROMPT].view(torch.int16)
-    view.copy_(torch.arange(view.numel(), dtype=torch.int32).view(view.shape).add(p * 7919).to(torch.int16))
+    """Stamp prompt p on the save slots: a 4 KiB header per block (the body is random per slot, set at connect).
+
+    A full 16 MiB pattern per prompt costs ~140 ms of CPU here, which would be measured instead of the tier.
+    """
+    head = kv[:BLOCKS_PER_PROMPT].view(torch.int16)[:, :HEADER]
+    head.copy_(_STAMP.add(p * 7919).to(torch.int16))
 
 
-def save_all(client: SidecarClient, kv: torch.Tensor, prompts: int) -> dict[str, float]:
+HEADER = 2048  # int16 elements: 4 KiB
+_STAMP = torch.arange(BLOCKS_PER_PROMPT * HEADER, dtype=torch.int32).view(BLOCKS_PER_PROMPT, HEADER)
+
+
+def save_all(client: SidecarClient, kv: torch.Tensor, prompts: int, rate: float | None = None) -> dict[str, float]:
+    """Save every prompt (at most `rate` bytes/s when given); no_space retries counted."""
     ids = [list(range(BLOCKS_PER_PROMPT))]
     tokens = BLOCKS_PER_PROMPT * BLOCK_TOKENS
     began = time.monotonic()
-    full_at = None
-    full_bytes = 0
-    retries = 0
-    nbytes = 0
+    retries = nbytes = 0
     for p in range(prompts):
         fill(kv, p)
+        if rate:
+            time.sleep(max(0.0, began + nbytes / rate - time.monotonic()))
         while True:
             result = client.save(prompt_hashes(p), ids, tokens).result()
             nbytes += result.bytes_written
-            if full_at is not None:
-                full_bytes += result.bytes_written
             if not result.failed:
                 break
-            if full_at is None:
-                full_at = time.monotonic()
             retries += 1
             time.sleep(0.1)
-    end = time.monotonic()
-    return {
-        "bytes": nbytes,
-        "seconds": end - began,
-        "before_full_seconds": (full_at or end) - began,
-        "after_full_bytes": full_bytes,
-        "after_full_seconds": end - (full_at or end),
-        "retries": retries,
-    }
+    return {"bytes": nbytes, "began": began, "seconds": time.monotonic() - began, "retries": retries}
 
 
 def load_prompts(client: SidecarClient, kv: torch.Tensor, prompts: range) -> tuple[int, int, float]:
+    """(blocks loaded, prompts byte-exact, seconds) for lookup + load of each prompt in turn."""
     ids = [list(range(BLOCKS_PER_PROMPT, SLOTS))]
     tokens = BLOCKS_PER_PROMPT * BLOCK_TOKENS
     loaded = exact = 0
-    began = time.monotonic()
+    seconds = 0.0
     for p in prompts:
         h = prompt_hashes(p)
+        began = time.monotonic()
         hit = client.lookup(h, tokens + 1)
-        if hit.hit_tokens == tokens and not client.load(h, ids, hit):
+        ok = hit.hit_tokens == tokens and not client.load(h, ids, hit)
+        seconds += time.monotonic() - began
+        if ok:
             loaded += BLOCKS_PER_PROMPT
             fill(kv, p)
             # Compared as integers: some bf16 bit patterns are NaNs, which never equal themselves.
             exact += bool(
                 torch.equal(kv[:BLOCKS_PER_PROMPT].view(torch.int16), kv[BLOCKS_PER_PROMPT:].view(torch.int16))
             )
-    return loaded, exact, time.monotonic() - began
+    return loaded, exact, seconds
 
 
-def sequential_read(directory: Path, limit: int, direct: bool) -> tuple[int, float]:
-    """Read the bucket files front to back in 4 MiB requests, as dd would; (bytes, seconds)."""
-    files = sorted(directory.glob("*.bucket"), key=lambda f: f.stat().st_mtime)
-    buf = mmap.mmap(-1, 4 * MiB)  # page-aligned, as O_DIRECT needs
-    total = 0
-    began = time.monotonic()
-    for f in files:
-        fd = os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+def drop_page_cache(directory: Path) -> None:
+    """Evict the directory's files from the page cache (clean pages), so the next reads come from the disk."""
+    for f in directory.glob("*"):
+        fd = os.open(f, os.O_RDONLY)
         try:
-            while total < limit and (n := os.readv(fd, [buf])) > 0:
-                total += n
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        if total >= limit:
-            break
-    return total, time.monotonic() - began
+
+
+def raw_disk(directory: Path, total: int) -> dict[str, float]:
+    """The filesystem alone, on the tier's access pattern: GiB/s of O_DIRECT writes and of three kinds of reads."""
+    path = directory / "raw.bin"
+    buf = mmap.mmap(-1, BATCH)  # page aligned, as O_DIRECT needs
+    buf.write(os.urandom(BATCH))
+    out: dict[str, float] = {}
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, total)
+        began = time.monotonic()
+        for offset in range(0, total, BATCH):
+            os.pwritev(fd, [buf], offset)
+            os.fdatasync(fd)
+        out["write_direct"] = total / GiB / (time.monotonic() - began)
+    finally:
+        os.close(fd)
+    aligned = [mmap.mmap(-1, MiB) for _ in range(DEPTH)]
+    # Unaligned destinations, as an engine's blocks are (the tier's buffered reads land there directly).
+    raw = ctypes.create_string_buffer(DEPTH * MiB + 64)
+    dest = [memoryview((ctypes.c_char * MiB).from_address(ctypes.addressof(raw) + 24 + i * MiB)).cast("B")
+            for i in range(DEPTH)]  # fmt: skip
+
+    def read(flags: int, mode: str, sequential: bool = False) -> float:
+        """mode: "aligned" (into page-aligned memory), "bounce" (that, then a copy to unaligned), "unaligned"."""
+        rfd = os.open(path, os.O_RDONLY | flags)
+        try:
+            drop_page_cache(directory)
+            if sequential:
+                os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+            def one(i: int) -> None:
+                slot = i % DEPTH
+                if mode == "unaligned":
+                    os.preadv(rfd, [dest[slot]], i * MiB)
+                    return
+                os.preadv(rfd, [aligned[slot]], i * MiB)
+                if mode == "bounce":
+                    dest[slot][:] = aligned[slot]
+
+            began = time.monotonic()
+            with ThreadPoolExecutor(DEPTH) as pool:
+                for start in range(0, total // MiB, DEPTH):
+                    list(pool.map(one, range(start, min(start + DEPTH, total // MiB))))
+            return total / GiB / (time.monotonic() - began)
+        finally:
+            os.close(rfd)
+
+    out["read_direct"] = read(os.O_DIRECT, "aligned")
+    out["read_direct_bounce"] = read(os.O_DIRECT, "bounce")
+    out["read_buffered_cold"] = read(0, "unaligned")
+    out["read_buffered_cold_sequential"] = read(0, "unaligned", sequential=True)
+    path.unlink()
+    return out
+
+
+def index_replay(directory: Path, tier: int, value: int) -> tuple[int, float]:
+    """(records, seconds) for the engine to recover a full tier of `tier` bytes of `value`-byte values (sparse files:
+    the index is real, the data is not read at recovery)."""
+    from kvsidecar.tiers.engine import DiskEngine
+    from kvsidecar.tiers.files import default_file_size
+    from kvsidecar.tiers.records import PUT, Record, encode
+
+    file_size = default_file_size(tier)
+    per_file = file_size // value
+    files = tier // file_size
+    directory.mkdir()
+    for n in range(1, files + 1):
+        (directory / f"{n:08d}.seg").touch(mode=0o600)
+        os.truncate(directory / f"{n:08d}.seg", file_size)
+        records = (
+            Record(PUT, f"kvs1@@bench~{n:08x}@s0.c0.d0.p0.g0@{i:064x}", i * value, value, i) for i in range(per_file)
+        )
+        (directory / f"{n:08d}.idx").write_bytes(b"".join(encode(r) for r in records))
+    drop_page_cache(directory)
+    engine = DiskEngine(directory, tier, queue_bytes=MiB)
+    try:
+        return engine.recovery.blocks, engine.recovery.seconds
+    finally:
+        engine.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--segment", type=parse_size, default=256 * MiB)
-    ap.add_argument("--buffer", type=parse_size, default=64 * MiB, help="--ssd-buffer-size of the daemon")
+    ap.add_argument("--segment", type=parse_size, default=256 * MiB, help="the daemon's DRAM segment")
     ap.add_argument("--times", type=int, default=4, help="store this many times the DRAM segment")
+    ap.add_argument("--queue", type=parse_size, default=256 * MiB, help="--ssd-buffer-size (the write queue bound)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the disk tier goes (the disk measured)")
     ap.add_argument("--out", help="also write the report (Markdown) here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvsidecar-ssd-bench-", dir=args.dir))
-    prompts = args.times * args.segment // (BLOCKS_PER_PROMPT * MiB)
-    lines: list[str] = []
+    total = args.times * args.segment
+    prompts = total // (BLOCKS_PER_PROMPT * MiB)
+    ssd_size = 2 * total
     try:
-        daemon = Daemon(work, args.segment, 4 * args.times * args.segment, args.buffer)
-        daemon.start()
-        client, kv = connect(daemon)
+        raw = raw_disk(work, total)
+        replayed, replay_s = index_replay(work / "replay", 8 * GiB, 16 << 10)
+
+        # 0. The same saves into a daemon without a disk tier (Mooncake evicts to make room): the save path's own pace.
+        bare = Daemon(work / "bare", args.segment, 0, 0)
+        bare.start()
+        client, kv = connect(bare)
+        control = save_all(client, kv, prompts)
+        client.close()
+        bare.stop()
+
+        # 1. As fast as the rank can save: the sustained rate is the time until every value is durable on disk.
+        fast = Daemon(work / "fast", args.segment, ssd_size, args.queue)
+        fast.start()
+        client, kv = connect(fast)
         saved = save_all(client, kv, prompts)
-        time.sleep(6)  # let the tier gauges refresh
-        m0 = daemon.metrics()
-        early = range(prompts // 2)  # evicted long ago: on disk
-        loaded, exact, seconds = load_prompts(client, kv, early)
-        m1 = daemon.metrics()
+        m, durable_values, durable_at = fast.durable(prompts * BLOCKS_PER_PROMPT)
+        durable_s = durable_at - saved["began"]
+        skipped_fast = {k: v for k, v in m.items() if k.startswith("kvsidecar_disk_tier_skipped_writes_total") and v}
+        on_disk = len(indexed_keys(work / "fast" / "ssd"))
+        # Loads of the earliest half (evicted from DRAM: on disk only), cold then warm.
+        early = range(prompts // 2)
+        m0 = fast.metrics()
+        drop_page_cache(work / "fast" / "ssd")
+        cold = load_prompts(client, kv, early)
+        warm = load_prompts(client, kv, early)
+        m1 = fast.metrics()
         disk_bytes = m1["kvsidecar_tier_hit_bytes_total{tier=disk}"] - m0["kvsidecar_tier_hit_bytes_total{tier=disk}"]
         mem_bytes = (
             m1["kvsidecar_tier_hit_bytes_total{tier=memory}"] - m0["kvsidecar_tier_hit_bytes_total{tier=memory}"]
         )
-        seq_bytes, seq_s = sequential_read(work / "ssd", int(disk_bytes) or loaded * MiB, direct=False)
-        try:
-            dio_bytes, dio_s = sequential_read(work / "ssd", int(disk_bytes) or loaded * MiB, direct=True)
-        except OSError as exc:
-            dio_bytes, dio_s = 0, float("nan")
-            print(f"O_DIRECT read not possible here: {exc}", file=sys.stderr)
-        held = inventory(work / "ssd")
         client.close()
-        daemon.stop()
-        restart_s = daemon.start()
-        client, kv = connect(daemon)
-        r_loaded, r_exact, r_seconds = load_prompts(client, kv, range(prompts))
-        hits_after = sum(1 for p in range(prompts) if client.lookup(prompt_hashes(p), 257).hit_tokens)
+        fast.stop()
+        restart_s = fast.start()
+        client, kv = connect(fast)
+        drop_page_cache(work / "fast" / "ssd")
+        after = load_prompts(client, kv, range(prompts))
         client.close()
-        recovered = next(
-            (line for line in (work / "daemon.log").read_text().splitlines()[::-1] if "recovered" in line), ""
-        )
-        daemon.stop()
+        fast.stop()
+        recovered = fast.recovery_line()
 
-        gib = 1 << 30
-        after_rate = saved["after_full_bytes"] / MiB / max(saved["after_full_seconds"], 1e-9)
-        before_rate = args.segment / MiB / max(saved["before_full_seconds"], 1e-9)
-        direct = f"{dio_bytes / gib / dio_s:.2f} GiB/s" if dio_bytes else "not supported by this filesystem"
-        lines += [
-            "# Disk tier (--ssd-dir) benchmark",
-            "",
-            f"`benchmarks/ssd_tier.py --segment {args.segment // MiB}MiB --times {args.times} "
-            f"--buffer {args.buffer // MiB}MiB`, disk tier under "
-            f"{args.dir} ({os.uname().sysname}, {os.cpu_count()} CPUs), 1 MiB blocks, 16 per prompt, one rank.",
-            "",
-            "| measure | value |",
-            "| --- | --- |",
-            f"| stored | {saved['bytes'] / MiB:.0f} MiB = {args.times} x the {args.segment // MiB} MiB DRAM segment, "
-            f"{prompts} prompts |",
-            f"| save rate while DRAM has room | {before_rate:.0f} MiB/s (first {saved['before_full_seconds']:.1f} s) |",
-            f"| sustained save rate into a full DRAM tier | {after_rate:.1f} MiB/s "
-            f"({saved['after_full_bytes'] / MiB:.0f} MiB in {saved['after_full_seconds']:.1f} s, "
-            f"{saved['retries']} no_space retries at 0.1 s) |",
-            f"| disk tier after the saves | {held.keys} blocks, {held.bytes / MiB:.0f} MiB in {held.buckets} buckets |",
-            f"| load of the earliest {len(early)} prompts | {loaded / BLOCKS_PER_PROMPT:.0f} prompts, "
-            f"{loaded * MiB / gib / seconds:.2f} GiB/s ({disk_bytes / MiB:.0f} MiB from disk, "
-            f"{mem_bytes / MiB:.0f} MiB from DRAM), {exact} byte-exact |",
-            f"| plain sequential read of the bucket files, buffered | {seq_bytes / gib / seq_s:.2f} GiB/s "
-            f"({seq_bytes / MiB:.0f} MiB) |",
-            f"| same, O_DIRECT (no page cache) | {direct} |",
-            f"| restart (SIGTERM, start, ready) | {restart_s:.1f} s |",
-            f"| hit rate after the restart | {hits_after}/{prompts} prompts hit; {r_loaded / BLOCKS_PER_PROMPT:.0f} "
-            f"loaded whole, {r_exact} byte-exact, {r_loaded * MiB / gib / max(r_seconds, 1e-9):.2f} GiB/s |",
-            "",
-            f"Daemon's recovery line: `{recovered.split(': ', 1)[-1] if recovered else 'none'}`",
-        ]
+        # 2. Offered at half the raw write rate: nothing may be lost.
+        paced = Daemon(work / "paced", args.segment, ssd_size, args.queue)
+        paced.start()
+        client, kv = connect(paced)
+        offered = raw["write_direct"] * GiB / 2
+        paced_saved = save_all(client, kv, prompts, rate=offered)
+        pm, _, _ = paced.durable(prompts * BLOCKS_PER_PROMPT)
+        paced_skipped = sum(v for k, v in pm.items() if k.startswith("kvsidecar_disk_tier_skipped_writes_total"))
+        back = load_prompts(client, kv, range(prompts))
+        client.close()
+        paced.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = "\n".join(lines) + "\n"
+
+    def gibs(blocks: int, seconds: float) -> float:
+        return blocks * MiB / GiB / max(seconds, 1e-9)
+
+    sustained = durable_values * MiB / GiB / durable_s
+    control_rate = control["bytes"] / GiB / control["seconds"]
+    save_rate = saved["bytes"] / GiB / saved["seconds"]
+    cold_rate, warm_rate = gibs(cold[0], cold[2]), gibs(warm[0], warm[2])
+    lost = prompts - back[1]
+    after_rate = gibs(after[0], after[2])
+    lines = [
+        "| measure | value | ratio to the disk |",
+        "| --- | --- | --- |",
+        f"| raw O_DIRECT write, {BATCH // MiB} MiB batches each made durable | {raw['write_direct']:.2f} GiB/s | 1 |",
+        f"| raw O_DIRECT read, 1 MiB requests {DEPTH} deep, aligned memory | {raw['read_direct']:.2f} GiB/s | 1 |",
+        f"| same, then copied to unaligned memory (a bounce buffer) | {raw['read_direct_bounce']:.2f} GiB/s "
+        f"| {raw['read_direct_bounce'] / raw['read_direct']:.2f} x read |",
+        f"| same, buffered from a cold page cache straight into unaligned memory "
+        f"| {raw['read_buffered_cold']:.2f} GiB/s | {raw['read_buffered_cold'] / raw['read_direct']:.2f} x read |",
+        f"| same, with POSIX_FADV_SEQUENTIAL (the tier's reads) | {raw['read_buffered_cold_sequential']:.2f} GiB/s "
+        f"| {raw['read_buffered_cold_sequential'] / raw['read_direct']:.2f} x read |",
+        f"| no disk tier: the same saves, DRAM evicting to make room (the save path's own pace) "
+        f"| {control['bytes'] / GiB / control['seconds']:.2f} GiB/s ({control['retries']} no_space retries) | |",
+        f"| tier: saves of {total // MiB} MiB ({args.times} x the {args.segment // MiB} MiB DRAM segment) as fast as "
+        f"one rank goes, answered | {save_rate:.2f} GiB/s ({saved['retries']} no_space retries) | |",
+        f"| tier: sustained, until every value is durable on disk | {sustained:.2f} GiB/s "
+        f"| {sustained / raw['write_direct']:.2f} x write, {sustained / control_rate:.2f} x no disk tier |",
+        f"| tier: values on disk after those saves | {on_disk:.0f} of {prompts * BLOCKS_PER_PROMPT} "
+        f"(skipped: {skipped_fast or 'none'}) | |",
+        f"| tier: saves offered at half the raw write ({offered / GiB:.2f} GiB/s), then every prompt loaded "
+        f"| {prompts - lost} of {prompts} prompts byte-exact, {paced_skipped:.0f} writes skipped, "
+        f"saved at {paced_saved['bytes'] / GiB / paced_saved['seconds']:.2f} GiB/s | |",
+        f"| tier: loads of the {len(early)} earliest prompts (on disk only), cold page cache "
+        f"| {cold_rate:.2f} GiB/s, {cold[1]} byte-exact | {cold_rate / raw['read_direct']:.2f} x read |",
+        f"| same, warm page cache | {warm_rate:.2f} GiB/s, {warm[1]} byte-exact "
+        f"| {warm_rate / raw['read_direct']:.2f} x read |",
+        f"| (bytes those loads took from disk / from DRAM) | {disk_bytes / MiB:.0f} MiB / "
+        f"{mem_bytes / MiB:.0f} MiB | |",
+        f"| restart (SIGTERM, start, ready) | {restart_s:.1f} s | |",
+        f"| recovery of a full 8 GiB tier of 16 KiB values: index replay, cold page cache | {replayed} records in "
+        f"{replay_s:.2f} s | |",
+        f"| after the restart, every prompt, cold | {after[0] // BLOCKS_PER_PROMPT} of {prompts} loaded, {after[1]} "
+        f"byte-exact, {after_rate:.2f} GiB/s | {after_rate / raw['read_direct']:.2f} x read |",
+    ]
+    shown = re.sub(r"/\S*kvsidecar-ssd-bench-\w+", "DIR", recovered)
+    report = "\n".join(
+        [
+            f"`benchmarks/ssd_tier.py --segment {args.segment // MiB}MiB --times {args.times} "
+            f"--queue {args.queue // MiB}MiB`, under {args.dir} ({os.uname().sysname}, {os.cpu_count()} CPUs), "
+            "1 MiB blocks, 16 per prompt, one rank.",
+            "",
+            *lines,
+            "",
+            f"Daemon's recovery line: `{shown or 'none'}`",
+        ]
+    )
     print(report)
     if args.out:
-        Path(args.out).write_text(report)
+        Path(args.out).write_text(report + "\n")
 
 
 if __name__ == "__main__":

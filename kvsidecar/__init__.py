@@ -4,6 +4,7 @@ Its rooms, lowest first; each may import only rooms below it (its docstring's `I
 tests/unit/daemon/test_layering.py), and the pure placement rules come from kvsidecar_contract:
 
 - `errors`: every error family; `store/`: the only code that touches Mooncake; `fence/`: the listener fence
+- `events/`: KV events for routers (their endpoints' rule is also config's)
 - `reasons`: why a block was not saved or loaded; `config`: every setting; `metrics`: every exported metric
 - `values`: the domain values requests carry in and results carry out
 - `memory/`: every address; `tenancy/`: credentials, rights, budgets

@@ -3,7 +3,7 @@
 Each setting is declared once, as a field of `Config` with its help text and parser beside it (`setting`); the
 flags, the config file's keys and the defaults all come from those fields.
 
-Imports: errors, fence (the peer networks' parser).
+Imports: errors, fence (the peer networks' parser), events (which event endpoints may be bound).
 """
 
 from __future__ import annotations
@@ -35,8 +35,16 @@ DEFAULT_LOCAL_BUFFER_BYTES = 64 * MiB
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 DEFAULT_SESSION_TTL_S = 10.0
 DEFAULT_SSD_BYTES = 8 * GiB  # laptop-sized; see docs/ssd-tier.md for a GPU node
-DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # Mooncake's own default is 1.25 GiB per owner
-DEFAULT_MASTER_CLIENT_TTL_S = 10.0  # mooncake_master --client_ttl
+DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # the disk tier's write queue: about a second of a laptop's saves
+TiB = 1 << 40
+# Fair shares, sized for a GPU node (8 GPUs, 1-2 TiB of host memory, one engine uid or a few): see docs/security.md.
+DEFAULT_MAX_REGISTERED_BYTES = 1 * TiB  # host memory (memfds, /dev/shm) registered by all sessions together
+DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT = 512 * GiB  # ... by one tenant (tenants file: max_registered_bytes) or uid
+DEFAULT_MAX_SESSIONS = 4096
+DEFAULT_MAX_SESSIONS_PER_ACCOUNT = 1024
+DEFAULT_MAX_LOOKUP_HASHES = 1 << 17  # a 2M-token prompt at 16-token blocks; one call's work holds the GIL throughout
+DEFAULT_MAX_MEMFDS = 4096  # memfds parked or mapped (each mapped one holds two of the daemon's descriptors)
+DEFAULT_MAX_MEMFDS_PER_ACCOUNT = 1024
 
 
 def parse_size(text: str | int) -> int:
@@ -169,8 +177,9 @@ class Config:
     ssd_dir: str = setting(
         "",
         help=(
-            "absolute directory of a disk tier (Mooncake SSD offload) behind the segment, owned by this daemon "
-            "alone; blocks evicted from DRAM are written there and survive restarts (default: no disk tier)"
+            "absolute directory of a disk tier behind the segment, owned by this daemon alone: every saved block is "
+            "written behind to it, served from it once DRAM evicts it, and kept across restarts (default: no disk "
+            "tier)"
         ),
     )
     ssd_size: int = setting(
@@ -180,16 +189,76 @@ class Config:
     )
     ssd_buffer_size: int = setting(
         DEFAULT_SSD_BUFFER_BYTES,
-        help="disk tier staging buffer, e.g. 1.25GiB on a GPU node (default 64MiB)",
+        help=(
+            "disk tier write queue: most bytes copied and waiting for the disk, past which blocks are not written "
+            "(counted; DRAM still serves them), e.g. 1GiB on a GPU node (default 64MiB)"
+        ),
         parse=parse_size,
     )
-    master_client_ttl: float = setting(
-        DEFAULT_MASTER_CLIENT_TTL_S,
+
+    kv_events_endpoint: str = setting(
+        "",
         help=(
-            "external master's --client_ttl in seconds: with --ssd-dir, a restart waits this long after the "
-            "previous daemon's end so the master lets go of its disk blocks (default 10; 0: do not wait)"
+            "publish vLLM-format KV events (BlockStored, BlockRemoved, AllBlocksCleared) for routers on this ZeroMQ "
+            "PUB endpoint, e.g. tcp://127.0.0.1:5557 or ipc:///run/kvsidecar/events (default: off; see "
+            "docs/kv-events.md)"
         ),
-        parse=float,
+    )
+    kv_events_replay_endpoint: str = setting(
+        "", help="ZeroMQ ROUTER endpoint replaying recent KV-event messages (default: off)"
+    )
+    kv_events_topic: str = setting(
+        "kvsidecar", help="KV-event topic; a tenant's events go to TOPIC.TENANT (default: %(default)s)"
+    )
+    kv_events_remote: bool = setting(
+        False,
+        help="the KV-event endpoints may listen off loopback (events name cached prefixes; default: off)",
+        parse=bool,
+    )
+
+    max_registered_bytes: int = setting(
+        DEFAULT_MAX_REGISTERED_BYTES,
+        help=(
+            "host memory (memfds, /dev/shm segments) all sessions together may register, e.g. 1TiB (default 1TiB); "
+            "a rank that punches holes in its memory can make the daemon fault at most this back in on its own "
+            "account, so size the daemon's memory limit for segment-size plus this where ranks are untrusted"
+        ),
+        parse=parse_size,
+    )
+    max_registered_bytes_per_account: int = setting(
+        DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT,
+        help=(
+            "host memory one account may register: a tenant (its max_registered_bytes in the tenants file "
+            "overrides this) or, without a tenants file, a uid (default 512GiB)"
+        ),
+        parse=parse_size,
+    )
+    max_sessions: int = setting(DEFAULT_MAX_SESSIONS, help="open sessions, all accounts (default 4096)", parse=int)
+    max_sessions_per_account: int = setting(
+        DEFAULT_MAX_SESSIONS_PER_ACCOUNT, help="open sessions of one tenant or uid (default 1024)", parse=int
+    )
+    lookups_per_account: int = setting(
+        1,
+        help=(
+            "lookups of one tenant or uid running at once; more wait their turn, so one account's huge lookups "
+            "cannot hold every lookup thread (default 1)"
+        ),
+        parse=int,
+    )
+    max_lookup_hashes: int = setting(
+        DEFAULT_MAX_LOOKUP_HASHES,
+        help=(
+            "block hashes one Lookup may probe (default 131072: a 2M-token prompt at 16-token blocks); a bigger "
+            "call is refused with this limit named, so one client's huge lookups cannot stall the others'"
+        ),
+        parse=int,
+    )
+    lookup_workers: int = setting(2, help="threads running lookups, apart from saves and loads (default 2)", parse=int)
+    max_memfds: int = setting(
+        DEFAULT_MAX_MEMFDS, help="memfds held for all sessions, parked or mapped (default 4096)", parse=int
+    )
+    max_memfds_per_account: int = setting(
+        DEFAULT_MAX_MEMFDS_PER_ACCOUNT, help="memfds held for one tenant's or uid's sessions (default 1024)", parse=int
     )
 
     def __post_init__(self) -> None:
@@ -201,6 +270,19 @@ class Config:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
         if self.session_ttl <= 0:
             raise ConfigError(f"session-ttl must be > 0 seconds, got {self.session_ttl}")
+        for name in (
+            "max_registered_bytes",
+            "max_registered_bytes_per_account",
+            "max_sessions",
+            "max_sessions_per_account",
+            "max_memfds",
+            "max_memfds_per_account",
+            "lookups_per_account",
+            "lookup_workers",
+            "max_lookup_hashes",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if not 0 <= self.socket_mode <= 0o777:
@@ -213,16 +295,17 @@ class Config:
             raise ConfigError("socket path must not be empty")
         if self.ssd_dir:
             if not os.path.isabs(self.ssd_dir):
-                raise ConfigError(f"ssd-dir must be an absolute path (Mooncake requires one), got {self.ssd_dir!r}")
+                raise ConfigError(f"ssd-dir must be an absolute path, got {self.ssd_dir!r}")
             if self.ssd_size < 64 * MiB:
                 raise ConfigError(f"ssd-size must be at least 64MiB, got {self.ssd_size}")
             if self.ssd_buffer_size < 4 * MiB:
                 raise ConfigError(f"ssd-buffer-size must be at least 4MiB, got {self.ssd_buffer_size}")
             if not self.segment_size:
-                raise ConfigError("ssd-dir needs a segment (segment-size > 0): only a segment's owner offloads")
-        if self.master_client_ttl < 0:
-            raise ConfigError(f"master-client-ttl must be >= 0 seconds, got {self.master_client_ttl}")
+                raise ConfigError(
+                    "ssd-dir needs a segment (segment-size > 0): the disk tier is written behind a DRAM one"
+                )
         self._check_peer_networks()
+        self._check_kv_events()
         if self.listen:
             # The Unix socket is guarded by file permissions; a TCP port has no such guard, so it never runs open.
             if not (self.tls_cert and self.tls_key):
@@ -233,6 +316,21 @@ class Config:
                 )
         elif self.tls_cert or self.tls_key or self.tls_client_ca or self.token_file:
             raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
+
+    def _check_kv_events(self) -> None:
+        from kvsidecar.events.endpoints import EndpointError, check_endpoint
+
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint replays --kv-events-endpoint's messages: set that too")
+        try:
+            for flag, value in (
+                ("--kv-events-endpoint", self.kv_events_endpoint),
+                ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint),
+            ):
+                if value:
+                    check_endpoint(value, flag, self.kv_events_remote)
+        except EndpointError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_peer_networks(self) -> None:
         from kvsidecar.fence.bpf import parse_networks

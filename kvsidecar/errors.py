@@ -37,6 +37,7 @@ __all__ = [
     "OutOfOrder",
     "RequestError",
     "ShuttingDown",
+    "Exhausted",
     "StoreError",
     "StoreUnavailable",
     "Unauthenticated",
@@ -66,6 +67,11 @@ class OutOfOrder(RequestError):
 
 class Forbidden(RequestError):
     """A request outside the session's rights (e.g. a scheduler session saving)."""
+
+
+class Exhausted(RequestError):
+    """A bounded resource (registered bytes, sessions, memfds, tickets, side-socket slots) is used up for the
+    caller's account or the daemon; the reason names the bound and its setting."""
 
 
 class ShuttingDown(RequestError):

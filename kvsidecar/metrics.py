@@ -140,6 +140,26 @@ class Metrics:
         self.disk_recovered_bytes = Counter(
             "kvsidecar_disk_tier_recovered_bytes", "Disk-tier bytes found again at start.", registry=r
         )
+        self.disk_written_bytes = Counter(
+            "kvsidecar_disk_tier_written_bytes", "Value bytes written to the disk tier (durable).", registry=r
+        )
+        self.disk_skipped_writes = Counter(
+            "kvsidecar_disk_tier_skipped_writes",
+            "Values not written to the disk tier, by reason (queue_full, no_space, io_error, too_large); DRAM still "
+            "holds them.",
+            ["reason"],
+            registry=r,
+        )
+        self.disk_corrupt_reads = Counter(
+            "kvsidecar_disk_tier_corrupt_reads",
+            "Disk-tier values whose checksum failed on read (a miss, never served).",
+            registry=r,
+        )
+        self.disk_queued_bytes = Gauge(
+            "kvsidecar_disk_tier_queued_bytes", "Value bytes waiting to be written to the disk tier.", registry=r
+        )
+        for reason in ("queue_full", "no_space", "io_error", "too_large"):
+            self.disk_skipped_writes.labels(reason)
         # Both tiers exported from the start (zero without a disk tier), so dashboards and alerts always find them.
         for tier in ("memory", "disk"):
             for family in (self.tier_hits, self.tier_hit_bytes, self.tier_blocks, self.tier_bytes):

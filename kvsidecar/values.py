@@ -110,6 +110,8 @@ class SaveArgs(NamedTuple):
     block_ids: Sequence[Sequence[int]]
     num_tokens: int
     saved: int = 0
+    tokens: Sequence[int] = ()  # the request's token ids from tokens_start on, if the client sent them (KV events)
+    tokens_start: int = 0
 
 
 class LookupArgs(NamedTuple):

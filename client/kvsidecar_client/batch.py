@@ -36,6 +36,8 @@ class SaveItem(NamedTuple):
     block_ids: Sequence[Sequence[int]]
     num_tokens: int
     saved_tokens: int = 0
+    token_ids: Sequence[int] = ()  # optional: the request's tokens from token_ids_start on, for KV events
+    token_ids_start: int = 0
 
 
 class LoadItem(NamedTuple):
@@ -61,6 +63,8 @@ def save_requests(items: Sequence[SaveItem], block_ids: BlockIdsOf) -> dict[str,
                 block_ids=block_ids(item.block_ids),
                 num_tokens=item.num_tokens,
                 saved_tokens=item.saved_tokens,
+                token_ids=item.token_ids,
+                token_ids_start=item.token_ids_start,
             )
         except InvalidRequest as error:
             out[item.name] = error

@@ -29,6 +29,7 @@ from kvsidecar_client.batch import (
 )
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
+    ClientClosed,
     DaemonUnavailable,
     InvalidRequest,
     PreconditionFailed,
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["MAX_REGIONS", "SidecarClient"]
+
+# Lookups started with `lookup_async` run as blocking calls on this many threads per client (a scheduler's arrivals
+# of one step are looked up side by side; more wait their turn, their deadline counting from the start of the call).
+_LOOKUP_WORKERS = 4
 
 
 class SidecarClient:
@@ -70,6 +75,7 @@ class SidecarClient:
         self._deadlines = self._keeper.deadlines
         # Saves are sent, and re-sent after a lost session, from here.
         self._saves = SaveSender(self._keeper)
+        self._lookups = concurrent.futures.ThreadPoolExecutor(_LOOKUP_WORKERS, "kvsidecar-lookup")
 
     @classmethod
     def connect(
@@ -167,11 +173,15 @@ class SidecarClient:
         num_tokens: int,
         *,
         saved_tokens: int = 0,
+        token_ids: Sequence[int] = (),
+        token_ids_start: int = 0,
         timeout: float | None = None,
     ) -> SaveJob:
         """Start saving the request's blocks and return at once; do not reuse the blocks before `job.done()`.
 
-        `block_ids[g][i]` is group g's physical block for its i-th span. Daemon trouble is reported by the job
+        `block_ids[g][i]` is group g's physical block for its i-th span; `token_ids`, optional, are the request's
+        tokens from position `token_ids_start` on (the daemon's KV events then carry each stored block's tokens).
+        Daemon trouble is reported by the job
         (`job.result()` raises), never by this call; bad input and a missing `register` raise here.
         """
         self._keeper.check_open("Save")
@@ -185,6 +195,8 @@ class SidecarClient:
             block_ids=self._block_ids(block_ids, "Save"),
             num_tokens=num_tokens,
             saved_tokens=saved_tokens,
+            token_ids=token_ids,
+            token_ids_start=token_ids_start,
         )
         return self._saves.send(request, deadline)
 
@@ -225,6 +237,28 @@ class SidecarClient:
                 raise
             return Hit.miss(len(self._spec.groups), f"daemon unavailable: {error}")
         return Hit.from_proto(response)
+
+    def lookup_async(
+        self,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        *,
+        eagle: bool = False,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[Hit]:
+        """Start `lookup` on a client thread and return its future at once (for a caller that must never wait).
+
+        The future holds what `lookup` returns (a degraded miss when the daemon is unreachable or past the
+        deadline) or the SidecarError it raises, bad input (InvalidRequest) included: building the request of a
+        long prompt is work this call leaves to the client thread. Cancelling a lookup not yet started keeps it
+        from being sent; one already sent completes, and its answer is dropped with the future.
+        """
+        self._keeper.check_open("Lookup")
+        hashes = list(block_hashes)  # the caller may change its sequence meanwhile
+        try:
+            return self._lookups.submit(self.lookup, hashes, num_tokens, eagle=eagle, timeout=timeout)
+        except RuntimeError:  # the pool is shut down: the client closed
+            raise ClientClosed("the client is closed", method="Lookup") from None
 
     def load_detailed(
         self,
@@ -324,6 +358,7 @@ class SidecarClient:
             return
         timeout = self._deadlines.control if timeout is None else timeout
         concurrent.futures.wait(self._saves.pending(), timeout=timeout)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         self._keeper.close(timeout)
         self._saves.shutdown()
 

@@ -32,7 +32,6 @@ __all__ = [
     "DEFAULT_STOP_TIMEOUT_S",
     "LOOPBACK",
     "EmbeddedMaster",
-    "OFFLOAD_FLAGS",
     "MasterError",
     "find_master_binary",
     "free_ports",
@@ -44,8 +43,6 @@ DEFAULT_EVICTION_HIGH_WATERMARK_RATIO = 0.9
 DEFAULT_CLIENT_TTL_S = 10
 DEFAULT_READY_TIMEOUT_S = 15.0
 DEFAULT_STOP_TIMEOUT_S = 5.0  # a graceful SIGTERM stop takes 1-3 s
-# Disk tier: offload at eviction time only (eager offload at put lost keys of partly filled buckets, upstream #3006).
-OFFLOAD_FLAGS = ("--enable_offload=true", "--offload_on_evict=true")
 _TAIL_LINES = 40
 _POLL_INTERVAL_S = 0.05
 # Picked ports can be taken by someone else before the child binds them; try fresh ones a few times.
@@ -169,13 +166,11 @@ class EmbeddedMaster:
         log_path: str | os.PathLike[str] | None = None,
         extra_args: tuple[str, ...] = (),
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
-        offload: bool = False,
     ) -> None:
         """Describe the master; nothing starts before start().
 
         lease_ttl_ms is Mooncake's default_kv_lease_ttl; env is added to this process's environment for the child;
-        log_path None keeps only the child's last output lines in memory; offload enables Mooncake's disk tier,
-        written when DRAM eviction picks an object (see kvsidecar.tiers.directory).
+        log_path None keeps only the child's last output lines in memory.
         """
         if not 0 < eviction_high_watermark_ratio <= 1:
             raise ValueError(f"eviction_high_watermark_ratio must be in (0, 1], got {eviction_high_watermark_ratio}")
@@ -193,7 +188,6 @@ class EmbeddedMaster:
             f"--default_kv_lease_ttl={lease_ttl_ms}",
             f"--eviction_high_watermark_ratio={eviction_high_watermark_ratio}",
             f"--client_ttl={client_ttl_s}",
-            *(OFFLOAD_FLAGS if offload else ()),
             *extra_args,
         ]
         self._env = dict(env or {})

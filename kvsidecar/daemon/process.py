@@ -24,6 +24,9 @@ from kvsidecar.daemon import notify
 from kvsidecar.daemon.sockets import claim_socket, socket_gid
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError, FenceError
+from kvsidecar.events.feed import NO_EVENTS
+from kvsidecar.events.node import NodeEvents
+from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
@@ -32,7 +35,8 @@ from kvsidecar.rpc.side import SideChannel
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
-from kvsidecar.tiers.disk import DiskTier
+from kvsidecar.tenancy.shares import SessionShares
+from kvsidecar.tiers.node import DiskTierNode
 from kvsidecar_contract.paths import side_socket_path
 
 __all__ = ["HOUSEKEEPING_INTERVAL_S", "SHUTDOWN_GRACE_S", "Daemon", "serve"]
@@ -53,9 +57,8 @@ class Daemon:
         self, config: Config, *, store: Store | None = None, registry: CollectorRegistry | None = None
     ) -> None:
         self.config = config
-        # A disk tier (Mooncake's offload) reads this node's own disk blocks through Mooncake's offload RPC server
-        # over loopback, so with one the single-node fence lets loopback in (as the multi-node one always does).
-        single_node = not config.master and not config.ssd_dir
+        # The disk tier is the daemon's own (tiers/), so it opens no listener: a single node admits nobody.
+        single_node = not config.master
         self.fence = DaemonFence(
             policy_for(embedded_master=single_node, peer_networks=config.peer_network), self._master_admin_url
         )
@@ -73,7 +76,8 @@ class Daemon:
         self.service: SidecarService | None = None
         self.side: SideChannel | None = None
         self.tenancy: Tenancy | None = None
-        self.disk_tier: DiskTier | None = None
+        self.disk_tier: DiskTierNode | None = None
+        self.kv_events: NodeEvents | None = None
         self.failure = ""  # why the daemon stopped itself, if it did
 
     async def start(self) -> None:
@@ -93,34 +97,58 @@ class Daemon:
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
         if cfg.ssd_dir:
-            self.disk_tier = DiskTier(cfg, self.metrics, self._master_metrics_url)
+            # Claims the directory and replays its index (seconds for a full tier): off the event loop.
+            self.disk_tier = await loop.run_in_executor(None, DiskTierNode, cfg, self.metrics, self._master_metrics_url)
         if self._store is None:
             if not cfg.master:
                 self._start_master()
-            elif self.disk_tier is not None:
-                await self.disk_tier.wait_for_master_to_forget()
             self._store = await loop.run_in_executor(None, self._open_store)
-        store = self._store
         if self.disk_tier is not None:
-            await loop.run_in_executor(None, self.disk_tier.report_recovery, store)
+            self._store = self.disk_tier.wrap(self._store)  # one store to the data path: DRAM, the disk behind it
+        store = self._store
         host, port = parse_address(cfg.metrics_address)
         try:
             self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
+        if cfg.kv_events_endpoint:
+            # The store's lease-free location query lets the sweep see evictions.
+            self.kv_events = NodeEvents(
+                cfg.kv_events_endpoint,
+                cfg.kv_events_replay_endpoint,
+                cfg.kv_events_topic,
+                self.metrics.registry,
+                store.tiers,
+            )
+            try:
+                self.kv_events.start()
+            except PublisherError as exc:
+                raise DaemonError(str(exc)) from None
         # Built in dependency order: the store's buffer registration into the sessions, both into the service.
         sessions = SessionRegistry(
-            cfg.session_ttl, store.register_buffer, store.unregister_buffer, metrics=self.metrics
+            cfg.session_ttl,
+            store.register_buffer,
+            store.unregister_buffer,
+            metrics=self.metrics,
+            shares=SessionShares.of(cfg),
         )
         tenancy = self.tenancy
-        datapath = DataPath(store, self.metrics, budget_of=tenancy.budget, count_tiers=self.disk_tier is not None)
+        datapath = DataPath(
+            store,
+            self.metrics,
+            budget_of=tenancy.budget,
+            events=self.kv_events.feed if self.kv_events else NO_EVENTS,
+            max_lookup_hashes=cfg.max_lookup_hashes,
+        )
         self.service = SidecarService(
             datapath,
             sessions,
             tenancy,
             self.metrics,
             workers=cfg.workers,
+            lookup_workers=cfg.lookup_workers,
+            lookups_per_account=cfg.lookups_per_account,
             master_address=self.master_address,
             side_socket=True,
             listeners=self.fence.listeners_with_drops,
@@ -132,6 +160,9 @@ class Daemon:
         self.side.start()
         for server in self._servers:
             await server.start()
+        # The event sockets are kvsidecar's own: recorded before the fence's first sweep, which would fence them.
+        for role, address, allowed in self.kv_events.listeners() if self.kv_events else ():
+            self.fence.add_own(role, address, allowed)
         self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics)
         await self._check_store()
         self._housekeeping = asyncio.create_task(self._housekeep())
@@ -167,7 +198,6 @@ class Daemon:
             binary=self.config.master_binary or None,
             lease_ttl_ms=self.config.master_lease_ttl_ms,
             env=ensure_native_libs(),
-            offload=bool(self.config.ssd_dir),
         )
         self.master.start()
         self.master_address = self.master.address
@@ -194,7 +224,6 @@ class Daemon:
             protocol=cfg.protocol,
             rdma_devices=cfg.rdma_devices,
             replica_num=cfg.replicas,
-            ssd_offload_path=self.disk_tier.environ() if self.disk_tier else "",
         )
         # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
         try:
@@ -277,6 +306,8 @@ class Daemon:
         await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
         if self.side is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
+        if self.kv_events is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.stop)
         loop = asyncio.get_running_loop()
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)

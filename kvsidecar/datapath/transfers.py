@@ -15,15 +15,16 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
-from kvsidecar.errors import StoreError
+from kvsidecar.errors import BadRequest, StoreError
+from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.reasons import Reason
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
-from kvsidecar.tiers.holdings import count_tier_hits
 from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, SaveArgs, SaveOutcome
+from kvsidecar_contract.limits import MAX_HASHES
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
     NO_BLOCK,
@@ -53,15 +54,17 @@ class DataPath:
         metrics: Metrics,
         backoff: NoSpaceBackoff | None = None,
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
-        count_tiers: bool = False,
+        events: StoreEvents = NO_EVENTS,
+        max_lookup_hashes: int = MAX_HASHES,
     ) -> None:
-        """budget_of gives a tenant's write budget; count_tiers asks the store where each loaded key was (the disk
-        tier's hit metrics: one metadata call per load, so only with a disk tier)."""
+        """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
+        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes)."""
         self.store = store
+        self.max_lookup_hashes = max_lookup_hashes
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
-        self._count_tiers = count_tiers
         self._budget_of = budget_of
+        self.events = events
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -112,7 +115,11 @@ class DataPath:
                 if isinstance(results, StoreCode):  # the existence check failed: nothing was written
                     out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
                 else:
-                    out[i] = save_outcome(self.metrics, session, memory, plan, results[start:end])
+                    mine = results[start:end]
+                    out[i] = save_outcome(self.metrics, session, memory, plan, mine)
+                    r = requests[i]
+                    written = [c for c, result in zip(plan.chunks, mine, strict=True) if result is Saved.WRITTEN]
+                    self.events.stored(session.tenant, session.geometry, r.hashes, written, r.tokens, r.tokens_start)
                 start = end
         return _filled(out)
 
@@ -180,6 +187,12 @@ class DataPath:
 
     def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
+        if len(request.hashes) > self.max_lookup_hashes:
+            # One call's work holds the GIL and a lookup thread for all of it: bounded, so others' lookups go on.
+            raise BadRequest(
+                f"a Lookup of {len(request.hashes)} block hashes: at most {self.max_lookup_hashes} per call "
+                "(--max-lookup-hashes); look up the prompt's first blocks, a hit never extends past a miss"
+            )
         geo = session.geometry
         num_tokens = request.num_tokens
         staged = StagedLookup(geo, request.hashes, num_tokens, eagle=request.eagle)
@@ -249,15 +262,11 @@ class DataPath:
                     out[i] = exc
             every = [c for _, reads, _, _ in staged for c in reads]
             codes = self._get(every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
-            where = self._where([c.key for c in every]) if every else None
         start = 0
         for i, reads, nowhere, _ in staged:
             end = start + len(reads)
             out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
             start = end
-        if where is not None:
-            ok = [j for j, code in enumerate(codes) if code is StoreCode.OK]
-            count_tier_hits(self.metrics, [where[j] for j in ok], [memory.value_bytes[every[j].group] for j in ok])
         return _filled(out)
 
     def _get(self, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
@@ -285,23 +294,16 @@ class DataPath:
                 codes[j] = code
         return codes
 
-    def _where(self, keys: list[str]) -> list[str] | None:
-        if not self._count_tiers:
-            return None
-        try:
-            with self._timed("tiers"):
-                return self.store.tiers(keys)
-        except StoreError as exc:
-            self.metrics.store_errors.labels("tiers", exc.code.value).inc()
-            return None
-
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""
         layout = session.layout
         # The rest of the key must have exactly the key format's shape: a reset of one model must not sweep along
         # a model whose name continues it in some other tenant's keys.
+        prefix = key_prefix(layout.model, layout.cache_prefix)
         with self._timed("remove"):
-            return self.store.remove_prefix(key_prefix(layout.model, layout.cache_prefix), KEY_TAIL_PATTERN)
+            removed = self.store.remove_prefix(prefix, KEY_TAIL_PATTERN)
+        self.events.cleared(session.tenant, prefix)
+        return removed
 
     def _revoke(self, keys: Sequence[str], codes: Sequence[StoreCode]) -> list[StoreCode]:
         """Remove values read after the client's deadline: their blocks may have been reused meanwhile."""

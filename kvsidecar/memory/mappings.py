@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden
-from kvsidecar.memory.memfd import MemfdMapping, fully_backed
+from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
+from kvsidecar.memory.memfd import MemfdMapping
 from kvsidecar.values import CudaHandle, Handle, MemfdHandle, ShmHandle
 
 __all__ = ["SHM_DIR", "CudaIpcMapping", "Mapping", "MemfdMapping", "Opener", "ShmMapping"]
@@ -59,13 +60,9 @@ class ShmMapping:
                 raise BadRequest(f"shared memory {name!r} is not a regular segment")
             if size > st.st_size:
                 raise BadRequest(f"shared memory {name!r} has {st.st_size} bytes, region claims {size}")
-            # Give every page its backing now: touching a hole of a sparse segment on a full /dev/shm is a SIGBUS.
-            # The client backs its segments when it makes them; a backed one is not walked again (see memfd.py).
-            try:
-                if not fully_backed(fd):
-                    os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise BadRequest(f"cannot back shared memory {name!r} with {size} bytes: {exc.strerror}") from None
+            # Backed by the engine that made it (the daemon allocates no client pages: memory/backing.py).
+            require_shmem(fd, f"shared memory {name!r}")
+            require_backed(fd, f"shared memory {name!r}")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -79,12 +76,17 @@ class ShmMapping:
         self.identity: tuple[object, ...] = ("shm", st.st_dev, st.st_ino)
 
     def check(self) -> None:
-        """Refuse a segment that shrank since registration: its missing pages would crash the daemon (SIGBUS)."""
-        now = os.fstat(self._fd).st_size
+        """Refuse a segment that shrank or lost pages since registration: the daemon would crash or pay for them."""
+        backed, now = backed_bytes(self._fd)
         if now < self.size:
             raise BadRequest(
                 f"shared memory {self.name!r} shrank to {now} bytes after registration ({self.size} mapped): "
                 "this session's memory cannot be used any more"
+            )
+        if backed < now:
+            raise BadRequest(
+                f"shared memory {self.name!r} lost pages after registration ({backed} of {now} bytes backed: holes "
+                "were punched in it): this session's memory cannot be used any more"
             )
 
     def close(self) -> None:

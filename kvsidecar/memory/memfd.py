@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -9,21 +10,17 @@ import os
 import stat
 
 from kvsidecar.errors import BadRequest
+from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
 
-__all__ = ["MemfdMapping", "fully_backed"]
-
-
-def fully_backed(fd: int) -> bool:
-    """Whether every page of a tmpfs file (memfd, /dev/shm) is allocated: its blocks count the allocated pages."""
-    st = os.fstat(fd)
-    return st.st_blocks * 512 >= st.st_size
+__all__ = ["MemfdMapping"]
 
 
 class MemfdMapping:
-    """A memfd passed over the side socket, sealed against shrinking: its pages cannot vanish under a transfer.
+    """A memfd passed over the side socket: on shmem, sealed against shrinking, and fully backed by its owner.
 
     That is what makes CPU memory safe to map from a rank the daemon does not trust: a /dev/shm segment can be
-    truncated while a transfer runs (SIGBUS in the daemon), a memfd with F_SEAL_SHRINK cannot, by anyone.
+    truncated while a transfer runs (SIGBUS in the daemon), a memfd with F_SEAL_SHRINK cannot, by anyone; and the
+    daemon allocates none of its pages (memory/backing.py says why and what a punched hole can still do).
     """
 
     def __init__(self, fd: int, index: int, size: int) -> None:
@@ -35,6 +32,7 @@ class MemfdMapping:
             raise BadRequest(f"{self.name} is not a sealable memfd: {exc.strerror}") from None
         if not stat.S_ISREG(st.st_mode):
             raise BadRequest(f"{self.name} is not a memfd")
+        require_shmem(fd, self.name)
         if not seals & fcntl.F_SEAL_SHRINK:
             # Sealing it here is as good as the engine doing it: seals are never removed, by anyone.
             try:
@@ -46,15 +44,13 @@ class MemfdMapping:
         size_now = os.fstat(fd).st_size
         if size > size_now:
             raise BadRequest(f"{self.name} has {size_now} bytes, region claims {size}")
+        require_backed(fd, self.name)
+        # Kept to see holes punched after registration (check); mmap keeps a duplicate of its own.
+        self._fd = os.dup(fd)
         try:
-            # Backing every page now keeps a later fault on a full memory cgroup out of the transfer. The client
-            # backs its memfds before sealing them; walking a backed GiB again is not free (0.1 s idle, and 80-125 s
-            # for two 1 GiB caches at once on a loaded 2-core machine, past the rank's RegisterMemory deadline).
-            if not fully_backed(fd):
-                os.posix_fallocate(fd, 0, size)
-            # mmap keeps its own duplicate of the descriptor; the session closes the one it was handed.
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
+            os.close(self._fd)
             raise BadRequest(f"cannot map {self.name} read-write ({size} bytes): {exc.strerror}") from None
         self._view = (ctypes.c_char * size).from_buffer(self._mm)
         self.address = ctypes.addressof(self._view)
@@ -62,9 +58,17 @@ class MemfdMapping:
         self.identity: tuple[object, ...] = ("memfd", st.st_dev, st.st_ino)
 
     def check(self) -> None:
-        """A memfd sealed against shrinking stays whole for as long as it is mapped."""
+        """Refuse a memfd its owner punched holes in: the daemon would fault them back in on its own account."""
+        backed, size = backed_bytes(self._fd)
+        if backed < size:
+            raise BadRequest(
+                f"{self.name} lost pages after registration ({backed} of {size} bytes backed: holes were punched "
+                "in it): this session's memory cannot be used any more; register fully backed memory again"
+            )
 
     def close(self) -> None:
         """Unmap it; the engine's own mapping is untouched."""
         del self._view
         self._mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)

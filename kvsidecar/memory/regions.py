@@ -87,6 +87,8 @@ class SessionMemory:
                 self.groups[g].append(region)
         self.value_bytes = [sum(r.block_bytes for r in regions) for regions in self.groups]
         self.mapped_bytes = sum(m.size for m in self.mappings.values())
+        # Host memory (memfds, /dev/shm), the part the daemon could be made to fault in: what the caps count.
+        self.host_bytes = sum(m.size for m in self.mappings.values() if m.identity[0] in ("memfd", "shm"))
         # Per group, computed once: a save or load asks for one address per region for every block it moves
         # (61 regions x hundreds of blocks for an MLA model), so this is the data path's innermost loop.
         self._blocks_in_group = [min(r.num_blocks for r in regions) for regions in self.groups]

@@ -22,6 +22,7 @@ from kvsidecar.fence.guard import Listener
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.auth import caller_of
+from kvsidecar.rpc.gates import AccountGates
 from kvsidecar.rpc.statuses import SESSION_ERRORS, status_of
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import StoreHealth
@@ -59,6 +60,10 @@ def answered(pool: Pool) -> Callable[[Handler[Any]], Callable[..., Awaitable[Any
                 work = method(self, request, context)
                 if pool == "loop":
                     return work()
+                if name.startswith("Lookup"):
+                    # One account's lookups hold at most its share of the lookup threads; the rest wait here.
+                    async with self._lookup_gates.hold(self.sessions.account_of(request.session_id)):
+                        return await asyncio.get_running_loop().run_in_executor(self._pools[pool], work)
                 return await asyncio.get_running_loop().run_in_executor(self._pools[pool], work)
             except Exception as exc:
                 code, reason = status_of(exc)
@@ -86,6 +91,8 @@ class SidecarService(pb_grpc.SidecarServicer):
         metrics: Metrics,
         *,
         workers: int = 8,
+        lookup_workers: int = 2,
+        lookups_per_account: int = 1,
         master_address: str = "",
         side_socket: bool = False,
         listeners: Callable[[], list[tuple[Listener, int]]] = list,
@@ -106,8 +113,9 @@ class SidecarService(pb_grpc.SidecarServicer):
         # Lookups are on the scheduler's critical path: they never queue behind a big save or load.
         self._pools = {
             "data": ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data"),
-            "lookup": ThreadPoolExecutor(2, thread_name_prefix="kvsidecar-lookup"),
+            "lookup": ThreadPoolExecutor(lookup_workers, thread_name_prefix="kvsidecar-lookup"),
         }
+        self._lookup_gates = AccountGates(lookups_per_account)
         self._stopping = False
 
     def stop_accepting(self) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvsidecar.errors import BadRequest, RequestError
+from kvsidecar.errors import BadRequest, Exhausted, RequestError
 from kvsidecar.rpc.statuses import status_of
 from kvsidecar.tenancy.tickets import TICKET_TTL_S, PeerCred, Tickets, peer_cred
 from kvsidecar_contract.limits import MAX_MEMFDS
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 4096
 MAX_HANDLERS = 16
+MAX_HANDLERS_PER_UID = 4  # one uid holding connections open takes its share of the slots, never the others'
 IO_TIMEOUT_S = 2.0
 
 
@@ -47,7 +48,9 @@ class SideChannel:
         self.tickets = tickets
         self._on_fds = on_fds
         self._stop = threading.Event()
-        self._slots = threading.BoundedSemaphore(MAX_HANDLERS)
+        self._slots_lock = threading.Lock()
+        self._busy = 0
+        self._busy_of: dict[int, int] = {}
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
@@ -96,24 +99,56 @@ class SideChannel:
                 log.warning("side socket accept failed: %s", exc)
                 time.sleep(0.1)
                 continue
-            if not self._slots.acquire(blocking=False):
-                # Busy with MAX_HANDLERS slow peers: refuse rather than queue behind them.
-                with contextlib.suppress(OSError):
-                    conn.send(_answer(False, "the side socket is busy; try again", code="UNAVAILABLE"))
+            try:
+                peer = peer_cred(conn)
+            except OSError as exc:
+                log.debug("side socket peer gone before its credentials were read: %s", exc)
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="kvsidecar-side-conn", daemon=True).start()
+            busy = self._take_slot(peer.uid)
+            if busy:
+                # Busy with slow peers: refuse rather than queue behind them.
+                with contextlib.suppress(OSError):
+                    conn.send(_answer(False, busy, code="RESOURCE_EXHAUSTED"))
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="kvsidecar-side-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _take_slot(self, uid: int) -> str:
+        """Take a handler slot for uid; the refusal (naming the share) when its share or all slots are busy."""
+        with self._slots_lock:
+            mine = self._busy_of.get(uid, 0)
+            if mine >= MAX_HANDLERS_PER_UID:
+                return (
+                    f"the side socket is busy with {mine} requests of uid {uid} (its share, MAX_HANDLERS_PER_UID): "
+                    "try again"
+                )
+            if self._busy >= MAX_HANDLERS:
+                return f"the side socket is busy ({MAX_HANDLERS} requests, MAX_HANDLERS): try again"
+            self._busy += 1
+            self._busy_of[uid] = mine + 1
+            return ""
+
+    def _give_slot(self, uid: int) -> None:
+        with self._slots_lock:
+            self._busy -= 1
+            left = self._busy_of.get(uid, 1) - 1
+            if left > 0:
+                self._busy_of[uid] = left
+            else:
+                self._busy_of.pop(uid, None)
+
+    def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
         fds: list[int] = []
         try:
             with conn:
                 conn.settimeout(IO_TIMEOUT_S)
-                peer = peer_cred(conn)
                 msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, MAX_MEMFDS)
                 try:
-                    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-                        raise BadRequest(f"request too large: at most {MAX_REQUEST_BYTES} bytes and {MAX_MEMFDS} fds")
+                    if flags & socket.MSG_TRUNC:
+                        raise BadRequest(f"request too large: at most {MAX_REQUEST_BYTES} bytes")
+                    if flags & socket.MSG_CTRUNC:
+                        raise _fds_truncated(len(fds))
                     reply = self._handle(msg, fds, peer)
                     fds = []  # handed over: the session owns them now
                 except RequestError as exc:
@@ -128,7 +163,7 @@ class SideChannel:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            self._slots.release()
+            self._give_slot(peer.uid)
 
     def _handle(self, msg: bytes, fds: list[int], peer: PeerCred) -> bytes:
         try:
@@ -151,6 +186,18 @@ class SideChannel:
             count = self._on_fds(session, secret, peer, fds)
             return _answer(True, count=count)
         raise BadRequest(f"unknown side-socket op {str(op)[:40]!r}: ticket or fds")
+
+
+def _fds_truncated(received: int) -> RequestError:
+    """The kernel's MSG_CTRUNC: it dropped passed descriptors, because of the sender or of the daemon's fd limit."""
+    if received >= MAX_MEMFDS:
+        return BadRequest(
+            f"the kernel truncated the passed descriptors (MSG_CTRUNC): at most {MAX_MEMFDS} memfds per message"
+        )
+    return Exhausted(
+        f"the kernel truncated the passed descriptors (MSG_CTRUNC) after {received}: the daemon is at its "
+        "open-file limit (RLIMIT_NOFILE) or the descriptors could not be installed; nothing was accepted, try again"
+    )
 
 
 def _answer(ok: bool, error: str = "", **fields: object) -> bytes:

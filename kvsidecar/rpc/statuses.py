@@ -6,6 +6,7 @@ import grpc
 
 from kvsidecar.errors import (
     BadRequest,
+    Exhausted,
     Forbidden,
     OutOfOrder,
     RequestError,
@@ -29,6 +30,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
     Forbidden: grpc.StatusCode.PERMISSION_DENIED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestError: grpc.StatusCode.INTERNAL,
 }
 

@@ -232,8 +232,18 @@ def batch_items(items: Sequence[Any], method: str) -> list[tuple[str, Any]]:
 
 def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs:
     """One Save request's (or SaveBatch item's) values."""
+    if req.token_ids and req.token_ids_start + len(req.token_ids) > req.num_tokens:
+        raise BadRequest(
+            f"token_ids: {len(req.token_ids)} tokens from position {req.token_ids_start} run past num_tokens "
+            f"{req.num_tokens}"
+        )
     return SaveArgs(
-        hashes(req.block_hashes, hash_bytes), block_ids(req.block_ids, num_groups), req.num_tokens, req.saved_tokens
+        hashes(req.block_hashes, hash_bytes),
+        block_ids(req.block_ids, num_groups),
+        req.num_tokens,
+        req.saved_tokens,
+        req.token_ids,
+        req.token_ids_start,
     )
 
 

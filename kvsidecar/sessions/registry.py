@@ -20,6 +20,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.sessions.session import Session
 from kvsidecar.sessions.shapes import ValueShapes
 from kvsidecar.tenancy.live import Grant
+from kvsidecar.tenancy.shares import SessionShares, account_of
 from kvsidecar.tenancy.table import SINGLE_TENANT, Caller
 from kvsidecar.tenancy.tickets import PeerCred
 from kvsidecar.values import RegionRequest, Role, SessionSummary
@@ -45,8 +46,10 @@ class SessionRegistry:
         *,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shares: SessionShares | None = None,
     ) -> None:
         self.ttl = ttl
+        self.shares = shares or SessionShares()
         self._register = register
         self._unregister = unregister
         self._metrics = metrics or Metrics()
@@ -71,6 +74,9 @@ class SessionRegistry:
         grant is what tenancy granted it (Tenancy.open_session); without one, single-tenant and no extra rights."""
         grant = grant or Grant(SINGLE_TENANT)
         tenant = grant.tenant
+        caller = caller or Caller()
+        account = account_of(tenant, caller.uid, caller.cert_subject)
+        self.shares.sessions.take(account, 1)
         now = self._clock()
         session = Session(
             id=secrets.token_urlsafe(24),
@@ -82,9 +88,11 @@ class SessionRegistry:
             opened_at=now,
             expires_at=now + self.ttl,
             tenant=tenant,
-            caller=caller or Caller(),
+            caller=caller,
             shm_names=grant.shm_names,
             side_secret=secrets.token_bytes(24),
+            account=account,
+            max_registered_bytes=grant.max_registered_bytes,
         )
         with self._lock:
             self._sessions[session.id] = session
@@ -115,6 +123,12 @@ class SessionRegistry:
                 raise UnknownSession(f"unknown session {session_id[:8]!r}: never opened, closed, or lease expired")
             session.expires_at = self._clock() + self.ttl
             return session
+
+    def account_of(self, session_id: str) -> str:
+        """The account a session draws its shares from ("" for an unknown session: its call will say so)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        return session.account if session is not None else ""
 
     @contextmanager
     def use(self, session_id: str) -> Iterator[Session]:
@@ -153,6 +167,9 @@ class SessionRegistry:
                 raise OutOfOrder("memory is already registered for this session: memfds come before RegisterMemory")
             if len(session.pending_fds) + len(fds) > MAX_MEMFDS:
                 raise BadRequest(f"at most {MAX_MEMFDS} memfds per session")
+            # Counted until the session closes: parked now, mapped (two descriptors each) after RegisterMemory.
+            self.shares.memfds.take(session.account, len(fds))
+            session.memfds_counted += len(fds)
             session.pending_fds.extend(fds)
             return len(session.pending_fds)
 
@@ -167,10 +184,27 @@ class SessionRegistry:
             fds, session.pending_fds = session.pending_fds, []
         try:
             memory = SessionMemory(regions, len(session.layout.groups), Opener(fds, shm_names=session.shm_names))
+        except BaseException:
+            self._give_memfds(session, session.memfds_counted)
+            raise
         finally:
             _close_fds(fds)
+        # The passed memfds the daemon now maps stay counted (two descriptors each) until the session closes.
+        self._give_memfds(
+            session, session.memfds_counted - sum(m.identity[0] == "memfd" for m in memory.mappings.values())
+        )
+        counted = 0
         try:
-            self._owners.claim(session.id, memory)
+            self._take_bytes(session, memory.host_bytes)
+            counted = memory.host_bytes
+            try:
+                self._owners.claim(session.id, memory)
+            except Forbidden:
+                # The owner may be a session whose lease ran out before housekeeping released it: a rank that
+                # reconnects after its lease expired registers the same memory again. Release the expired, retry.
+                if not self.expire():
+                    raise
+                self._owners.claim(session.id, memory)
             self._shapes.claim(
                 session.id,
                 [
@@ -187,13 +221,27 @@ class SessionRegistry:
                 if session.memory is not None:
                     raise OutOfOrder("memory is already registered for this session (once per session)")
                 session.memory = memory
+                session.bytes_counted = counted
         except BaseException:
+            self.shares.registered_bytes.give(session.account, counted)
             self._owners.release(session.id, memory)
             self._shapes.release(session.id)
             memory.close(self._unregister_quietly)
+            self._give_memfds(session, session.memfds_counted)
             raise
         self._metrics.regions_bytes.inc(memory.mapped_bytes)
         return memory
+
+    def _give_memfds(self, session: Session, n: int) -> None:
+        with session.lock:
+            n = max(0, min(n, session.memfds_counted))
+            session.memfds_counted -= n
+        self.shares.memfds.give(session.account, n)
+
+    def _take_bytes(self, session: Session, amount: int) -> None:
+        limit = session.max_registered_bytes
+        where = f"max_registered_bytes of {session.account} in the tenants file" if limit is not None else ""
+        self.shares.registered_bytes.take(session.account, amount, limit=limit, limit_setting=where)
 
     def close(self, session_id: str) -> None:
         """Close a session now and release its memory."""
@@ -240,7 +288,12 @@ class SessionRegistry:
             session.closed = True
             memory, session.memory = session.memory, None
             fds, session.pending_fds = session.pending_fds, []
+            memfds, session.memfds_counted = session.memfds_counted, 0
+            counted, session.bytes_counted = session.bytes_counted, 0
         _close_fds(fds)
+        self.shares.sessions.give(session.account, 1)
+        self.shares.memfds.give(session.account, memfds)
+        self.shares.registered_bytes.give(session.account, counted)
         if memory is not None:
             self._metrics.regions_bytes.dec(memory.mapped_bytes)
             self._owners.release(session.id, memory)

@@ -35,6 +35,10 @@ class Session:
     shm_names: bool = False  # may register /dev/shm names (trusted ranks only; granted explicitly, never by default)
     side_secret: bytes = b""  # proves side-socket requests for this session
     pending_fds: list[int] = field(default_factory=list)  # memfds passed over the side socket, until RegisterMemory
+    account: str = ""  # whose fair shares it draws from (tenancy/shares.py account_of)
+    max_registered_bytes: int | None = None  # its tenant's own cap on registered host memory (None: the daemon's)
+    memfds_counted: int = 0  # memfds it took from its account's share (given back when it closes)
+    bytes_counted: int = 0  # registered host bytes it took from its account's share
 
     def require_memory(self) -> SessionMemory:
         """The session's memory, for saves and loads."""

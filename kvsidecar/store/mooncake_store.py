@@ -77,8 +77,6 @@ class MooncakeSettings:
     replica_num: int = 1
     # Fault the whole segment in once, in the background, so puts never pay first-touch page faults.
     prefault_segment: bool = True
-    # A disk tier behind the segment (Mooncake SSD offload); its MOONCAKE_OFFLOAD_* environment is set by the caller.
-    ssd_offload_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.local_hostname:
@@ -136,7 +134,6 @@ class MooncakeStore:
             raise StoreUnavailable(f"cannot load the Mooncake client library: {exc}") from exc
 
         native = MooncakeDistributedStore()
-        offload = {"enable_ssd_offload": True, "ssd_offload_path": settings.ssd_offload_path}
         try:
             rc = native.setup(
                 settings.local_hostname,
@@ -146,7 +143,6 @@ class MooncakeStore:
                 settings.protocol,
                 settings.rdma_devices,
                 settings.master_server_addr,
-                **(offload if settings.ssd_offload_path else {}),
             )
         except (RuntimeError, TypeError) as exc:
             raise StoreUnavailable(f"Mooncake setup raised: {exc}") from exc

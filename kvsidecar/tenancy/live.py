@@ -41,6 +41,7 @@ class Grant:
 
     tenant: str
     shm_names: bool = False  # may register /dev/shm names (trusted ranks only)
+    max_registered_bytes: int | None = None  # the tenant's own cap on registered host memory (None: the daemon's)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ class Tenancy:
         if table.single:
             return Grant(tenant, shm_names=self._allow_shm_names)
         entry = table.by_name.get(tenant)
-        return Grant(tenant, shm_names=entry is not None and entry.shm_names)
+        if entry is None:
+            return Grant(tenant)
+        return Grant(tenant, shm_names=entry.shm_names, max_registered_bytes=entry.max_registered_bytes)
 
     def check_reset(self, tenant: str, caller: Caller, layout: Layout) -> None:
         """Forbidden unless the session's caller still holds the prefix: a reload may have taken it away."""

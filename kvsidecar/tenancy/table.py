@@ -8,11 +8,14 @@ Pure: parsing a TOML text and matching credentials; reading the file and reloadi
     tokens = ["sha256:<hex>"]          # bearer tokens on the TCP listener, stored as SHA-256 hashes
     cert_subjects = ["CN=engine-a"]    # mTLS client certificate subjects, as gRPC reports them
     prefixes = ["team-a", "team-a/*"]  # cache prefixes it may open sessions under ('*' only at the end)
-    models = ["org/*"]                 # optional: the models it may open sessions for (default: any)
+    models = ["Llama-3*"]              # optional: the models it may open sessions for (default: any), matched
+                                       # against what keys carry: the model name's last path component
     admin = false                      # Stats shows every tenant
     shm_names = false                  # may register /dev/shm names (trusted ranks only; see docs/security.md)
     write_bytes_per_second = "64MiB"   # optional write budget, with a burst
     write_burst_bytes = "256MiB"
+    max_registered_bytes = "256GiB"    # optional: host memory its sessions may register (default: the daemon's
+                                       # --max-registered-bytes-per-account)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ else:  # pragma: no cover
 
 from kvsidecar.config import parse_size
 from kvsidecar.errors import ConfigError, Forbidden
+from kvsidecar_contract.placement import model_key
 
 __all__ = [
     "SINGLE_TENANT",
@@ -55,6 +59,7 @@ _KEYS = {
     "shm_names",
     "write_bytes_per_second",
     "write_burst_bytes",
+    "max_registered_bytes",
 }
 
 
@@ -107,6 +112,7 @@ class Tenant:
     admin: bool = False
     shm_names: bool = False
     budget: Budget | None = None
+    max_registered_bytes: int | None = None  # None: the daemon's per-account cap
 
     def matches(self, caller: Caller) -> bool:
         """Whether the caller holds one of this tenant's credentials."""
@@ -122,10 +128,14 @@ class Tenant:
         return False
 
     def grants(self, prefix: str, model: str) -> bool:
-        """Whether sessions may open under this cache prefix for this model."""
+        """Whether sessions may open under this cache prefix for this model.
+
+        A model right matches the model's part of the keys (its last path component), never more of the name than
+        keys carry: two sessions whose keys can coincide are granted by the same rule (`org-a/Llama` and
+        `org-b/Llama` share keys under one prefix, so no right can grant one and not the other)."""
         if not any(_glob(p, prefix) for p in self.prefixes):
             return False
-        return self.models is None or any(_glob(m, model) for m in self.models)
+        return self.models is None or any(_glob(m, model_key(model)) for m in self.models)
 
 
 @dataclass(frozen=True)
@@ -223,6 +233,13 @@ def _tenant(name: str, body: object, source: str) -> Tenant:
         if "*" in p[:-1] or "@" in p:
             raise ConfigError(f"{where}: prefix {p!r}: '*' only at the end, and no '@'")
     models = _strings(body["models"], f"{where}: models") if "models" in body else None
+    for m in models or ():
+        if "/" in m or "*" in m[:-1]:
+            raise ConfigError(
+                f"{where}: model pattern {m!r}: models match what keys carry, the last path component of a model's "
+                "name ('Llama-3*', not 'org/Llama-3*'): models of one name from two orgs share keys under a cache "
+                "prefix, so separate tenants by prefixes instead; '*' only at the end"
+            )
     if not (uids or gids or tokens or subjects):
         raise ConfigError(f"{where}: needs a credential (uids, gids, tokens or cert_subjects)")
     admin = _bool(body.get("admin", False), f"{where}: admin")
@@ -236,6 +253,11 @@ def _tenant(name: str, body: object, source: str) -> Tenant:
         budget = Budget(rate, burst)
     elif "write_burst_bytes" in body:
         raise ConfigError(f"{where}: write_burst_bytes needs write_bytes_per_second")
+    max_registered = None
+    if "max_registered_bytes" in body:
+        max_registered = _size(body["max_registered_bytes"], f"{where}: max_registered_bytes")
+        if max_registered < 1:
+            raise ConfigError(f"{where}: max_registered_bytes must be at least 1 byte")
     return Tenant(
         name=name,
         uids=frozenset(uids),
@@ -247,6 +269,7 @@ def _tenant(name: str, body: object, source: str) -> Tenant:
         admin=admin,
         shm_names=shm_names,
         budget=budget,
+        max_registered_bytes=max_registered,
     )
 
 

@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsidecar.errors import BadRequest
+from kvsidecar.errors import Exhausted
 
-__all__ = ["MAX_TICKETS", "TICKET_TTL_S", "PeerCred", "Tickets", "peer_cred"]
+__all__ = ["MAX_TICKETS", "MAX_TICKETS_PER_UID", "TICKET_TTL_S", "PeerCred", "Tickets", "peer_cred"]
 
 TICKET_TTL_S = 30.0
 MAX_TICKETS = 4096  # outstanding at once; a peer minting tickets in a loop cannot grow the daemon's memory
+# ... of one uid: a uid minting in a loop uses up its own share, never the others' (a rank needs one per call).
+MAX_TICKETS_PER_UID = 256
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python has no constant for it
 
 
@@ -55,23 +57,42 @@ class Tickets:
         self._clock = clock
         self._lock = threading.Lock()
         self._live: dict[str, tuple[PeerCred, float]] = {}
+        self._per_uid: dict[int, int] = {}
 
     def issue(self, peer: PeerCred) -> str:
-        """A new ticket for the peer."""
+        """A new ticket for the peer, or Exhausted when its uid's share or all tickets are outstanding."""
         now = self._clock()
         with self._lock:
+            if len(self._live) >= MAX_TICKETS or self._per_uid.get(peer.uid, 0) >= MAX_TICKETS_PER_UID:
+                self._drop_expired(now)
+            if self._per_uid.get(peer.uid, 0) >= MAX_TICKETS_PER_UID:
+                raise Exhausted(
+                    f"tickets: uid {peer.uid} has {MAX_TICKETS_PER_UID} outstanding (its share, MAX_TICKETS_PER_UID): "
+                    "redeem them before asking for more"
+                )
             if len(self._live) >= MAX_TICKETS:
-                self._live = {t: v for t, v in self._live.items() if v[1] > now}
-            if len(self._live) >= MAX_TICKETS:
-                raise BadRequest(f"{MAX_TICKETS} tickets are outstanding: redeem them before asking for more")
+                raise Exhausted(f"{MAX_TICKETS} tickets are outstanding: redeem them before asking for more")
             ticket = secrets.token_urlsafe(24)
             self._live[ticket] = (peer, now + self._ttl)
+            self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
         return ticket
+
+    def _drop_expired(self, now: float) -> None:
+        self._live = {t: v for t, v in self._live.items() if v[1] > now}
+        self._per_uid = {}
+        for peer, _ in self._live.values():
+            self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
 
     def redeem(self, ticket: str) -> PeerCred | None:
         """The credentials a ticket stands for, once; None for an unknown, used or expired ticket."""
         with self._lock:
             entry = self._live.pop(ticket, None)
+            if entry is not None:
+                left = self._per_uid.get(entry[0].uid, 1) - 1
+                if left > 0:
+                    self._per_uid[entry[0].uid] = left
+                else:
+                    self._per_uid.pop(entry[0].uid, None)
         if entry is None or entry[1] < self._clock():
             return None
         return entry[0]

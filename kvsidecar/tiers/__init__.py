@@ -1,5 +1,9 @@
-"""What each tier holds and serves: the disk tier under --ssd-dir (its directory, owner lock and Mooncake's offload
-settings), and the gauges and hit counts of memory and disk.
+"""The disk tier under --ssd-dir, the daemon's own: append-only segment files written behind every save, an index
+with a checksum per record, recovery that cuts a torn tail, reads straight into engine memory (engine, files,
+records, results); the store that puts it behind the DRAM one (tiered); the daemon's side of it: the directory's
+owner lock, recovery in the log and `status`, the tier gauges and hit counts (node, directory, holdings).
+
+No listener: the daemon reads its own disk, so the fence admits nobody with a disk tier (docs/ssd-tier.md).
 
 Imports: config, errors, metrics, store.
 """

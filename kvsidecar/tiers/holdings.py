@@ -1,17 +1,14 @@
-"""What each tier of this node holds and serves: the segment in DRAM and the disk tier under --ssd-dir."""
+"""What each tier of this node serves: the segment in DRAM and the disk tier under --ssd-dir."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvsidecar.metrics import Metrics
-from kvsidecar.tiers.directory import inventory
 
-__all__ = ["TierSampler", "count_tier_hits", "master_memory_holdings"]
+__all__ = ["count_tier_hits", "master_memory_holdings"]
 
 log = logging.getLogger(__name__)
 
@@ -44,46 +41,3 @@ def master_memory_holdings(metrics_text: str) -> tuple[int, int] | None:
     if len(values) < 2:
         return None
     return int(values["mem_cache_nums_"]), int(values["master_allocated_bytes"])
-
-
-class TierSampler:
-    """Refreshes the tier gauges: disk from the directory, memory from the embedded master (which only we use)."""
-
-    def __init__(
-        self,
-        metrics: Metrics,
-        directory: str,
-        capacity: int,
-        segment_size: int,
-        master_metrics_url: Callable[[], str | None],
-    ) -> None:
-        self._metrics = metrics
-        self._directory = directory
-        self._master_metrics_url = master_metrics_url
-        metrics.tier_capacity_bytes.labels(DISK).set(capacity)
-        metrics.tier_capacity_bytes.labels(MEMORY).set(segment_size)
-        # No opener proxy: an http_proxy in the environment must not intercept a loopback scrape.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def sample(self) -> None:
-        """One refresh; a failure leaves the last values."""
-        disk = inventory(self._directory)
-        self._metrics.tier_blocks.labels(DISK).set(disk.keys)
-        self._metrics.tier_bytes.labels(DISK).set(disk.bytes)
-        try:
-            st = os.statvfs(self._directory)
-            self._metrics.disk_filesystem_free_bytes.set(st.f_bavail * st.f_frsize)
-        except OSError:
-            pass
-        url = self._master_metrics_url()
-        if url is None:
-            return
-        try:
-            with self._opener.open(url + "/metrics", timeout=2.0) as response:
-                held = master_memory_holdings(response.read().decode("utf-8", "replace"))
-        except (OSError, ValueError) as exc:
-            log.debug("could not read the embedded master's metrics: %s", exc)
-            return
-        if held is not None:
-            self._metrics.tier_blocks.labels(MEMORY).set(held[0])
-            self._metrics.tier_bytes.labels(MEMORY).set(held[1])

@@ -607,8 +607,19 @@ def test_every_query_is_valid_promql(where, expr):
         pytest.fail(f"{where}: {error}\n{expr}")
 
 
+def exported_families() -> list:
+    """Every metric family a daemon can export: Metrics, and the KV-event publisher's own counters."""
+    from prometheus_client import CollectorRegistry
+
+    from kvsidecar.events.publisher import Publisher
+
+    events = CollectorRegistry()
+    Publisher("tcp://127.0.0.1:0", registry=events)  # counters only: nothing binds before start()
+    return [*Metrics().registry.collect(), *events.collect()]
+
+
 def test_deploy_queries_only_metrics_the_daemon_exports():
-    exported = sample_names(Metrics().registry.collect())
+    exported = sample_names(exported_families())
     used = metric_names_in_deploy()
     assert used, "no kvsidecar metric found in deploy/: is the extraction broken?"
     assert not used - exported, f"not exported by kvsidecar/metrics.py: {sorted(used - exported)}"
@@ -629,7 +640,7 @@ def test_recording_rules_used_are_defined():
 
 
 def test_dashboard_shows_every_metric_the_daemon_exports():
-    families = list(Metrics().registry.collect())
+    families = exported_families()
     shown = set()
     for _, expr in dashboard_expressions():
         shown |= metric_names_in(expr)

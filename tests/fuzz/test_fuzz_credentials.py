@@ -39,13 +39,13 @@ UID = os.getuid()
 # tenant -> (prefix patterns, models or None for any); written out by hand: the oracle of this module.
 RIGHTS = {
     "alpha": (["team-a", "team-a/*"], None),
-    "beta": (["team-b"], ["org/beta-*"]),
+    "beta": (["team-b"], ["beta-*"]),  # matched against the model's last path component (what keys carry)
     "local": (["local", "shared-*"], None),
     "certs": (["cert-only"], None),
 }
 PREFIXES = ["team-a", "team-a/x", "team-a/", "team-ab", "team-", "team-b", "team-b/x", "local", "shared-", "shared-1",
             "shared", "cert-only", "cert-onl", "", "ops", "TEAM-A"]  # fmt: skip
-MODELS = ["org/beta-1", "org/alpha", "org/beta-", "beta-1"]
+MODELS = ["org/beta-1", "org/alpha", "org/beta-", "beta-1", "other/beta-1", "beta-1/x", "org/beta-1/"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ def expected(cred: Credential, prefix: str, model: str) -> str | None:
     for tenant in cred.tenants:
         patterns, models = RIGHTS[tenant]
         prefix_ok = any(prefix == p or (p.endswith("*") and prefix.startswith(p[:-1])) for p in patterns)
-        model_ok = models is None or any(model == m or (m.endswith("*") and model.startswith(m[:-1])) for m in models)
+        key = model.rstrip("/").split("/")[-1]  # what keys carry of the model
+        model_ok = models is None or any(key == m or (m.endswith("*") and key.startswith(m[:-1])) for m in models)
         if prefix_ok and model_ok:
             return tenant
     return None
@@ -87,7 +88,7 @@ class Daemon:
         tenants = workdir / "tenants.toml"
         tenants.write_text(
             f'[tenants.alpha]\ntokens = ["{hash_token(TOKEN_A)}"]\nprefixes = ["team-a", "team-a/*"]\n\n'
-            f'[tenants.beta]\ntokens = ["{hash_token(TOKEN_B)}"]\nprefixes = ["team-b"]\nmodels = ["org/beta-*"]\n\n'
+            f'[tenants.beta]\ntokens = ["{hash_token(TOKEN_B)}"]\nprefixes = ["team-b"]\nmodels = ["beta-*"]\n\n'
             f'[tenants.local]\nuids = [{UID}]\nprefixes = ["local", "shared-*"]\n\n'
             f'[tenants.certs]\ncert_subjects = ["CN=client"]\nprefixes = ["cert-only"]\n'
         )

@@ -138,7 +138,9 @@ def test_master_killed_and_restarted(tmp_path):
 
 
 def test_every_metric_the_deploy_tree_uses_is_exported(mooncake_master, tmp_path):
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
+    # With every optional part on that exports metrics of its own (the KV-event publisher).
+    events = f"ipc://{tmp_path}/events"
+    daemon = Daemon(tmp_path, master=mooncake_master.address, extra=("--kv-events-endpoint", events)).start()
     try:
         body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     finally:

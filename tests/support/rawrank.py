@@ -29,6 +29,7 @@ class Segment:
         self.name = f"kvsidecar-test-{secrets.token_hex(6)}"
         self.shm = shared_memory.SharedMemory(self.name, create=True, size=size)
         self.size = size
+        self.fill(0)  # every page backed by its owner, as the client's segments are (the daemon backs none)
 
     def read(self, offset: int, n: int) -> bytes:
         return bytes(self.shm.buf[offset : offset + n])

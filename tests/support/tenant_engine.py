@@ -15,12 +15,20 @@ Steps (the JSON's "steps", run in order), each answering {"ok": ...} or {"error"
   stats_until T P S   Stats, asked again until a session of tenant T under prefix P shows (at most S seconds)
   wait_for PATH S     wait (at most S seconds) until PATH exists, holding the session open meanwhile
   hostile SECONDS     truncate, punch holes in and remap its own memfd in a loop while saving and loading
+  open_crafted PREFIX KIND MIB  open as `open` does, but register a crafted memfd of MIB MiB instead of a good one:
+                      KIND sparse (ftruncate only, sealed) or hugetlb (MFD_HUGETLB)
+  punch               punch every page of the registered memfd out, then save: answers the save
+  park PREFIX N       open N rank sessions and park 253 memfds in each until refused (they stay open to the end)
+  tickets N           mint up to N side-socket tickets without redeeming them, until refused
+  hold_side N SECONDS hold up to N side-socket connections open (sending nothing) for SECONDS
+  touch PATH          create PATH (tells the test a step before it is done)
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import json
 import mmap
@@ -33,7 +41,10 @@ from typing import Any
 import torch
 
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, SidecarError, shared_tensor
-from kvsidecar_client.memory import segment_of
+from kvsidecar_client import memory as client_memory
+from kvsidecar_client.memory import Segment, segment_of
+from kvsidecar_contract.limits import MAX_MEMFDS
+from kvsidecar_contract.paths import side_socket_path
 
 BLOCK_TOKENS = 16
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -174,9 +185,94 @@ class Engine:
         return {"ok": True, "calls": calls, "refused": refused, "punched": punched, "remapped": remapped,
                 "errors": errors}  # fmt: skip
 
+    def open_crafted(self, prefix: str, kind: str, mib: int) -> dict[str, Any]:
+        size = mib << 20
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if kind == "hugetlb" else 0)
+        fd = os.memfd_create("crafted", flags)
+        os.ftruncate(fd, size)  # no page backed
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        # The good tensor's storage now claims to live in the crafted memfd: the daemon maps that one.
+        base = self.kv.untyped_storage().data_ptr()
+        client_memory._segments[base] = Segment("", size, fd)
+        return self.open(prefix)
+
+    def punch(self) -> dict[str, Any]:
+        segment = segment_of(self.kv)
+        assert segment is not None and segment.sealed
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        assert libc.fallocate(segment.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, segment.size) == 0
+        return self.save("punched", 2)
+
+    def park(self, prefix: str, sessions: int) -> dict[str, Any]:
+        fd = os.memfd_create("parked", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        parked = 0
+        self.parked: list[SidecarClient] = []
+        for _ in range(sessions):
+            client = SidecarClient.connect(
+                self.target, model=self.model, layout=EngineLayout(), num_kv_heads=1, hash_block_size=BLOCK_TOKENS,
+                groups=[GroupSpec("full_attention", BLOCK_TOKENS)], cache_prefix=prefix,
+            )  # fmt: skip
+            self.parked.append(client)
+            keeper = client._keeper
+            session = keeper.session or keeper.recover(None, time.monotonic() + 30, "park")
+            try:
+                keeper.side.send_fds(session.id, session.side_secret, [fd] * MAX_MEMFDS, 30)
+            except SidecarError as exc:
+                return {"ok": True, "parked": parked, "code": exc.code.name if exc.code else "", "reason": str(exc)}
+            parked += MAX_MEMFDS
+        return {"ok": True, "parked": parked}
+
+    def tickets(self, n: int) -> dict[str, Any]:
+        side = client_memory_side(self.target)
+        for minted in range(n):
+            try:
+                side.ticket(10)
+            except SidecarError as exc:
+                return {"ok": True, "minted": minted, "code": exc.code.name if exc.code else "", "reason": str(exc)}
+        return {"ok": True, "minted": n}
+
+    def hold_side(self, n: int, seconds: float) -> dict[str, Any]:
+        import socket
+
+        path = side_socket_path(self.target.removeprefix("unix://").removeprefix("unix:"))
+        held: list[socket.socket] = []
+        busy = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for sock in list(held):  # the daemon answers a silent peer after its I/O timeout: reconnect
+                sock.setblocking(False)
+                try:
+                    reply = sock.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    reply = b""
+                if b"busy" in reply:
+                    busy += 1
+                held.remove(sock)
+                sock.close()
+            while len(held) < n:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.connect(path)
+                held.append(sock)
+            time.sleep(0.01)
+        for sock in held:
+            sock.close()
+        return {"ok": True, "busy": busy}
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        for client in getattr(self, "parked", []):
+            client.close()
+
+
+def client_memory_side(target: str) -> Any:
+    from kvsidecar_client._side import side_socket_for
+
+    return side_socket_for(target)
 
 
 def drop_privileges(uid: int, gid: int) -> None:
@@ -203,6 +299,17 @@ def main() -> None:
                 answers.append(engine.save(args[0], int(args[1]), fill=False))
             elif op in ("save", "hits", "load"):
                 answers.append(getattr(engine, op)(args[0], int(args[1])))
+            elif op == "touch":
+                open(args[0], "w").close()
+                answers.append({"ok": True})
+            elif op == "open_crafted":
+                answers.append(engine.open_crafted(args[0], args[1], int(args[2])))
+            elif op == "park":
+                answers.append(engine.park(args[0], int(args[1])))
+            elif op == "tickets":
+                answers.append(engine.tickets(int(args[0])))
+            elif op == "hold_side":
+                answers.append(engine.hold_side(int(args[0]), float(args[1])))
             elif op == "hostile":
                 answers.append(engine.hostile(float(args[0])))
             elif op == "stats_until":

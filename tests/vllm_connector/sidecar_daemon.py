@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -36,11 +36,19 @@ def daemon_python() -> Path:
 class Daemon(processes.Daemon):
     """`kvsidecar serve` with an embedded mooncake_master, on a socket in workdir, run by the main venv."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra: Sequence[str] = (), *, segment_size: str = "64MiB") -> None:
         python = daemon_python()
         if not python.exists():
             pytest.fail(f"no kvsidecar daemon at {python}: run scripts/setup.sh, or set KVSIDECAR_PYTHON")
-        super().__init__(workdir, session_ttl=5, local_buffer_size=None, log_level="info", python=python)
+        super().__init__(
+            workdir,
+            session_ttl=5,
+            segment_size=segment_size,
+            local_buffer_size=None,
+            log_level="info",
+            python=python,
+            extra=extra,
+        )
 
     def status(self, *, quiet: bool = False) -> subprocess.CompletedProcess[str]:
         """`kvsidecar status` against this daemon (exit 0: healthy)."""

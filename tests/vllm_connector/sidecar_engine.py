@@ -7,6 +7,7 @@ equal KV in any engine, and a test can say exactly which bytes a warm load must 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -197,7 +198,18 @@ class Engine:
         assert isinstance(connector, KVSidecarConnector)
         return connector
 
-    def add(self, req_id: str, prompt: Sequence[int], *, max_tokens: int = 2, cache_salt: str | None = None) -> None:
+    def add(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int = 2,
+        cache_salt: str | None = None,
+        look_up: bool = False,
+    ) -> None:
+        """Add a request; with `look_up`, ask the connector about it as vLLM's scheduler does and wait for the
+        daemon's answer, so that the next step admits it with its hit (else the answer comes a step or more later).
+        """
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
@@ -207,15 +219,20 @@ class Engine:
             block_hasher=self.block_hasher,
         )
         self.scheduler.add_request(request)
+        if look_up:
+            assert self.connector.get_num_new_matched_tokens(request, 0)[0] is not None or (
+                self.connector.wait_for_lookups(60)
+            ), f"no answer to {req_id}'s lookup"
 
     def request(self, req_id: str) -> Request:
         return self.scheduler.requests[req_id]
 
-    def step(self, *, settle: float = 10.0, before_worker: Any = None) -> Any:
+    def step(self, *, settle: float = 10.0, before_worker: Any = None, answer_lookups: bool = True) -> Any:
         """One engine step: schedule, the worker's hooks around a stand-in forward, then update_from_output.
 
         Waits up to `settle` seconds for transfers started this step, as a real engine would see them in some
-        later step. `before_worker(output)` runs between the scheduler's plan and the worker's hooks.
+        later step, and (with `answer_lookups`) for the lookups it started, so that the next step has their
+        answers. `before_worker(output)` runs between the scheduler's plan and the worker's hooks.
         """
         output = self.scheduler.schedule()
         if before_worker is not None:
@@ -230,6 +247,8 @@ class Engine:
         kv_output = self._transfer_output(output.finished_req_ids, loading, settle)
         self.worker.clear_connector_metadata()
         self.scheduler.update_from_output(output, self._runner_output(output, kv_output))
+        if answer_lookups:
+            self.connector.wait_for_lookups(settle)
         return output
 
     def _transfer_output(self, finished: set[str], loading: set[str], settle: float) -> KVConnectorOutput:
@@ -327,3 +346,35 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
+
+
+class HeldLookups:
+    """A daemon that answers the scheduler's lookups only when the test says so: each lookup waits on the client
+    thread, before its call to the real daemon, until `release()`. A step that returns while a lookup is held
+    did not wait for it: by construction, not by timing."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.started = 0  # lookups that reached the daemon's door
+        self._gate = threading.Event()
+        self._lock = threading.Lock()
+        client = engine.connector.client
+        lookup = client.lookup
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.started += 1
+            if not self._gate.wait(120):
+                raise AssertionError("a held lookup was never released")
+            return lookup(*args, **kwargs)
+
+        client.lookup = held  # type: ignore[method-assign]
+
+    def wait_started(self, count: int, timeout: float = 60.0) -> None:
+        """Until `count` lookups reached the daemon's door (a client thread may start a lookup a little later)."""
+        give_up = time.monotonic() + timeout
+        while self.started < count:
+            assert time.monotonic() < give_up, f"{self.started} lookups started, expected {count}"
+            time.sleep(0.005)
+
+    def release(self) -> None:
+        self._gate.set()

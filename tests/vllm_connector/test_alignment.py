@@ -156,7 +156,7 @@ def test_external_hits_equal_vllms_own(vllm_env, tiny_model, daemon, cache_prefi
             store(eng, hashes, stored)
             want = vllm_hit(manager, eng, prompt, stored)
             req_id = f"{layout}/{trial}"
-            eng.add(req_id, prompt, max_tokens=1)
+            eng.add(req_id, prompt, max_tokens=1, look_up=True)
             got = scheduler_start(eng, req_id)
             eng.run_until(req_id)
             hits.append(want)

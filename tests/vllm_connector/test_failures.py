@@ -60,7 +60,7 @@ def test_one_missing_block_is_the_one_block_recomputed(vllm_env, tiny_model, dae
     save_prompt(tiny_model, daemon.target, cache_prefix, "full")
     warm = engine(tiny_model, daemon.target, cache_prefix, "full")
     try:
-        warm.add("warm", PROMPT)
+        warm.add("warm", PROMPT, look_up=True)
         hashes = list(warm.request("warm").block_hashes)
 
         def lose_block_2(output):
@@ -80,7 +80,7 @@ def test_failed_blocks_are_reported_exactly(vllm_env, tiny_model, daemon, cache_
     save_prompt(tiny_model, daemon.target, cache_prefix, "full")
     warm = engine(tiny_model, daemon.target, cache_prefix, "full")
     try:
-        warm.add("warm", PROMPT)
+        warm.add("warm", PROMPT, look_up=True)
         hashes = list(warm.request("warm").block_hashes)
         output = warm.scheduler.schedule()
         (load,) = output.kv_connector_metadata.loads
@@ -107,7 +107,7 @@ def test_hybrid_failed_load_recomputes_the_request(vllm_env, tiny_model, daemon,
     save_prompt(tiny_model, daemon.target, cache_prefix, layout)
     warm = engine(tiny_model, daemon.target, cache_prefix, layout)
     try:
-        warm.add("warm", PROMPT)
+        warm.add("warm", PROMPT, look_up=True)
         hashes = list(warm.request("warm").block_hashes)
         warm.step(before_worker=lambda _: daemon.remove_keys([key(warm, 0, hashes[2])]))
         # Reported as a failed receive: vLLM drops the whole hit and admits the request again...
@@ -125,7 +125,7 @@ def test_daemon_gone_before_the_load_recomputes_every_block(vllm_env, tiny_model
         save_prompt(tiny_model, own.target, cache_prefix, "full")
         warm = engine(tiny_model, own.target, cache_prefix, "full")
         try:
-            warm.add("warm", PROMPT)
+            warm.add("warm", PROMPT, look_up=True)
             warm.step(before_worker=lambda _: own.stop())
             assert warm.request("warm").num_computed_tokens == 0
             start, scheduled = first_compute(warm, "warm")

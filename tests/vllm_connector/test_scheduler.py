@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
 
-from sidecar_engine import BLOCK, LAYOUTS, Engine, kv_cache_config, vllm_config
+from sidecar_engine import BLOCK, LAYOUTS, Engine, HeldLookups, kv_cache_config, vllm_config
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
@@ -138,7 +138,7 @@ def test_requests_of_one_step_share_one_save_call_and_one_load_call(vllm_env, ti
     cold = engine(tiny_model, daemon, cache_prefix, "full")
     try:
         for name, prompt in prompts.items():
-            cold.add(name, prompt)
+            cold.add(name, prompt, look_up=True)
         outputs = [cold.step()]
         # The whole prefill of all three in one step, so that step saves all three.
         assert {s.req_id for s in outputs[0].kv_connector_metadata.saves} == set(prompts)
@@ -153,8 +153,14 @@ def test_requests_of_one_step_share_one_save_call_and_one_load_call(vllm_env, ti
 
     warm = engine(tiny_model, daemon, cache_prefix, "full")
     try:
+        held = HeldLookups(warm)
         for name, prompt in prompts.items():
             warm.add(name, prompt)
+        asked = warm.step(answer_lookups=False)  # the three lookups start; none is answered yet
+        held.wait_started(3)
+        assert not asked.kv_connector_metadata.loads
+        held.release()
+        assert warm.connector.wait_for_lookups(30)
         planned = warm.step()  # every lookup hits, every load is planned in this step
         assert {load.req_id for load in planned.kv_connector_metadata.loads} == set(prompts)
         starts: dict[str, int] = {}

@@ -47,8 +47,13 @@ def start(model: Path, daemon, prefix: str, *, spec=FULL, layout: str | None = N
 def matched(engine: Engine) -> int:
     """Tokens the engine's scheduler connector finds stored for PROMPT."""
     engine.add("probe", PROMPT)
-    found, _ = engine.connector.get_num_new_matched_tokens(engine.request("probe"), 0)
-    return int(found or 0)
+    request = engine.request("probe")
+    found, _ = engine.connector.get_num_new_matched_tokens(request, 0)
+    if found is None:  # not answered yet: vLLM would ask again at its next step
+        assert engine.connector.wait_for_lookups(60), "the probe's lookup was never answered"
+        found, _ = engine.connector.get_num_new_matched_tokens(request, 0)
+    assert found is not None
+    return int(found)
 
 
 def save(engine: Engine) -> None:

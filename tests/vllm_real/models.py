@@ -25,6 +25,7 @@ class TinyModel:
     prompt_tokens: tuple[int, ...]  # one prompt per length
     llm: dict[str, Any] = field(default_factory=dict)
     recurrent: bool = False
+    max_position_embeddings: int = 4096
 
     def build(self, root: Path) -> Path:
         """Save the model with random weights under root/name (seeded: every build is the same model)."""
@@ -36,7 +37,10 @@ class TinyModel:
         if (path / "config.json").exists():
             return path
         config = getattr(transformers, self.config_class)(
-            vocab_size=VOCAB, initializer_range=0.2, max_position_embeddings=4096, **self.config
+            vocab_size=VOCAB,
+            initializer_range=0.2,
+            max_position_embeddings=self.max_position_embeddings,
+            **self.config,
         )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self.dtype))

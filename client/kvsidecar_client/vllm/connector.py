@@ -38,6 +38,7 @@ from kvsidecar_client.vllm.specs import (
     layout_of_this_rank,
     parallel_layout,
 )
+from kvsidecar_client.vllm.stats import KVSidecarPromMetrics, KVSidecarStats
 from kvsidecar_client.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 eagle=spec is not None and spec.use_eagle_block_drop(),
                 load=transfer.is_kv_consumer,
                 save=transfer.is_kv_producer,
+                lookup_deadline=settings.deadlines.lookup,
             )
         else:
             self._worker = WorkerSide(
@@ -118,6 +120,15 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def client(self) -> SidecarClient:
         """The session with the daemon (for operators and tests: stats, session info)."""
         return self._client
+
+    @property
+    def lookups_in_flight(self) -> int:
+        """Scheduler only: requests whose lookup was sent and whose answer vLLM has not taken up yet."""
+        return self._scheduler_side().lookups_in_flight
+
+    def wait_for_lookups(self, timeout: float) -> bool:
+        """Scheduler only: wait up to `timeout` s for every lookup in flight to be answered (True: none left)."""
+        return self._scheduler_side().wait_for_lookups(timeout)
 
     def _scheduler_side(self) -> SchedulerSide:
         if self._scheduler is None:
@@ -178,6 +189,25 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KVSidecarStats | None:
+        """This side's counts since vLLM last asked (lookups on the scheduler's, loads and saves on a worker's)."""
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.take_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVSidecarStats:
+        return KVSidecarStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVSidecarPromMetrics:
+        return KVSidecarPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_block_ids()

@@ -42,6 +42,9 @@ class SaveSpec:
     num_tokens: int
     saved_tokens: int
     reads: frozenset[int]
+    # The request's tokens from token_ids_start on, covering every block this save writes (for the KV events).
+    token_ids: tuple[int, ...] = ()
+    token_ids_start: int = 0
 
 
 @dataclass

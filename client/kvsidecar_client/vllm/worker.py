@@ -13,6 +13,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from kvsidecar_client.memory import segment_of
 from kvsidecar_client.results import LoadResult, Registration
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
 from kvsidecar_client.vllm.regions import regions_of
+from kvsidecar_client.vllm.stats import StatsRecorder
 
 __all__ = ["TransferResults", "WorkerSide"]
 
@@ -65,8 +67,10 @@ class WorkerSide:
         *,
         block_ids_unique: bool,
         wait_timeout: float,
+        stats: StatsRecorder | None = None,
     ) -> None:
         self._client = client
+        self._stats = stats if stats is not None else StatsRecorder()
         self._layers = [list(layers) for layers in layers_of_group]
         self._num_blocks = num_blocks
         self._block_ids_unique = block_ids_unique
@@ -147,18 +151,24 @@ class WorkerSide:
         if event is not None:
             event.synchronize()  # blocks zeroed or copied this step are written before the daemon writes them
         items = [LoadItem(s.req_id, s.block_hashes, s.block_ids, s.hit, s.start_tokens) for s in todo]
+        start = time.monotonic()
         try:
             results: Mapping[str, LoadResult | SidecarError] = self._client.load_batch(items)
         except SidecarError as error:
             results = dict.fromkeys(asked, error)
+        self._stats.add(loads=len(todo), load_seconds=time.monotonic() - start)
         for spec in todo:
             result = results[spec.req_id]
             if isinstance(result, SidecarError):
                 # Which blocks the daemon wrote is unknown: every block the load asked for is recomputed.
                 log.warning("kvsidecar load for request %s failed, recomputing it: %s", spec.req_id, result)
                 failed[spec.req_id] = asked[spec.req_id]
+                self._stats.add(load_failed_blocks=len(asked[spec.req_id]))
                 continue
             failed[spec.req_id] = result.failed_block_ids
+            self._stats.add(
+                loaded_blocks=result.loaded, loaded_bytes=result.bytes_loaded, load_failed_blocks=len(result.failures)
+            )
             if result.failures:
                 log.info(
                     "kvsidecar load for request %s: %d blocks failed, recomputing them",
@@ -186,7 +196,13 @@ class WorkerSide:
 
     def _send_saves(self, specs: Sequence[SaveSpec], done: Mapping[str, concurrent.futures.Future[Any]]) -> None:
         """One SaveBatch for the specs; each request's `done` completes once the daemon stopped reading its blocks."""
-        items = [SaveItem(s.req_id, s.block_hashes, s.block_ids, s.num_tokens, s.saved_tokens) for s in specs]
+        items = [
+            SaveItem(
+                s.req_id, s.block_hashes, s.block_ids, s.num_tokens, s.saved_tokens, s.token_ids, s.token_ids_start
+            )
+            for s in specs
+        ]
+        start = time.monotonic()
         try:
             jobs = self._client.save_batch(items)
         except BaseException as error:
@@ -196,9 +212,10 @@ class WorkerSide:
             if not isinstance(error, SidecarError):
                 raise
             log.warning("kvsidecar saves of %d requests refused: %s", len(specs), error)
+            self._stats.add(saves=len(specs), save_failures=len(specs))
             return
         for req_id, job in jobs.items():
-            job.add_done_callback(functools.partial(_save_finished, req_id, done[req_id]))
+            job.add_done_callback(functools.partial(_save_finished, req_id, done[req_id], self._stats, start))
 
     def _send_saves_after(
         self, specs: Sequence[SaveSpec], done: Mapping[str, concurrent.futures.Future[Any]], event: Any
@@ -253,6 +270,10 @@ class WorkerSide:
             self._failed_block_ids.update(results.failed_block_ids)
         return results
 
+    def take_stats(self) -> Any:
+        """This rank's loads and saves counted since the last call (vLLM's KVConnectorStats), or None."""
+        return self._stats.take()
+
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed, reported once (single-group caches only)."""
         with self._lock:
@@ -269,11 +290,25 @@ class WorkerSide:
         self._client.close()
 
 
-def _save_finished(req_id: str, done: concurrent.futures.Future[Any], job: SaveJob) -> None:
+def _save_finished(
+    req_id: str, done: concurrent.futures.Future[Any], stats: StatsRecorder, start: float, job: SaveJob
+) -> None:
+    seconds = time.monotonic() - start
     error = job.exception()
     if error is not None:
         # A failed save is a future cache miss, never a wrong answer: the daemon stopped reading.
         log.warning("kvsidecar save for request %s failed: %s", req_id, error)
+        stats.add(saves=1, save_failures=1, save_seconds=seconds)
+    else:
+        r = job.result()
+        stats.add(
+            saves=1,
+            save_seconds=seconds,
+            saved_blocks=r.written,
+            saved_bytes=r.bytes_written,
+            save_skipped_blocks=r.skipped,
+            save_failed_blocks=r.failed,
+        )
     done.set_result(None)
 
 

@@ -242,18 +242,22 @@ class FailedBlock(_message.Message):
     def __init__(self, group: _Optional[int] = ..., block_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("session_id", "block_hashes", "block_ids", "num_tokens", "saved_tokens")
+    __slots__ = ("session_id", "block_hashes", "block_ids", "num_tokens", "saved_tokens", "token_ids", "token_ids_start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_tokens: int
     saved_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids_start: int
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_ids_start: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("written", "skipped", "failed", "striped_to_others", "bytes_written", "failures", "absent")

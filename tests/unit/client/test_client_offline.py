@@ -72,6 +72,14 @@ def test_lookup_answers_a_degraded_miss_when_the_daemon_is_down(offline):
         offline.lookup(HASHES, 64, miss_on_unavailable=False)
 
 
+def test_an_asynchronous_lookup_answers_in_its_future(offline):
+    # The caller's thread only starts it; the degraded miss, or the refusal of bad input, comes in the future.
+    hit = offline.lookup_async(HASHES, 64).result(timeout=30)
+    assert hit.hit_tokens == 0 and hit.degraded and "daemon unavailable" in hit.detail
+    with pytest.raises(InvalidRequest, match="bad Lookup request"):
+        offline.lookup_async(["not bytes"], 64).result(timeout=30)  # type: ignore[list-item]
+
+
 def test_save_and_load_need_registered_memory(offline):
     with pytest.raises(PreconditionFailed, match="register"):
         offline.save(HASHES, [[1, 2, 3, 4], [0]], 64)
@@ -108,6 +116,8 @@ def test_a_closed_client_refuses_every_call(offline):
     offline.close()  # idempotent
     with pytest.raises(ClientClosed):
         offline.lookup(HASHES, 64)
+    with pytest.raises(ClientClosed):
+        offline.lookup_async(HASHES, 64)
     with pytest.raises(ClientClosed):
         offline.stats()
     with pytest.raises(ClientClosed):

@@ -104,3 +104,30 @@ def test_a_cluster_master_needs_peer_networks():
 def test_bad_peer_networks(argv, reason):
     with pytest.raises(ConfigError, match=reason):
         parse(*argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (("--kv-events-endpoint", "tcp://0.0.0.0:5557"), "not a loopback address.*--kv-events-remote"),
+        (("--kv-events-endpoint", "tcp://*:5557"), "not a loopback address"),
+        (("--kv-events-endpoint", "udp://127.0.0.1:5557"), "must be tcp://host:port or ipc://path"),
+        (("--kv-events-endpoint", "tcp://127.0.0.1"), "not a tcp://host:port endpoint"),
+        (("--kv-events-replay-endpoint", "tcp://127.0.0.1:5558"), "set that too"),
+        (
+            ("--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-replay-endpoint", "tcp://10.0.0.1:5558"),
+            "--kv-events-replay-endpoint tcp://10.0.0.1:5558 is not a loopback address",
+        ),
+    ],
+)
+def test_bad_kv_events_flags(argv, reason):
+    with pytest.raises(ConfigError, match=reason):
+        parse(*argv)
+
+
+def test_kv_events_endpoints_off_loopback_only_when_asked():
+    assert parse("--kv-events-endpoint", "ipc:///run/kvsidecar/events").kv_events_endpoint.startswith("ipc://")
+    remote = parse("--kv-events-endpoint", "tcp://0.0.0.0:5557", "--kv-events-remote")
+    assert remote.kv_events_remote and remote.kv_events_topic == "kvsidecar"
+    with pytest.raises(SystemExit):  # a switch takes no value
+        parse("--kv-events-remote", "maybe")

@@ -18,6 +18,7 @@ from kvsidecar.values import RegionRequest, ShmHandle
 @pytest.fixture
 def segment():
     shm = shared_memory.SharedMemory(create=True, size=8192)
+    shm.buf[:] = bytes(8192)  # backed by its owner, as the client's segments are (the daemon backs none)
     yield shm
     shm.close()
     shm.unlink()
@@ -79,17 +80,29 @@ def test_missing_segment():
         ShmMapping("kvsidecar-does-not-exist", 4096)
 
 
-def test_a_sparse_segment_is_backed_when_mapped_and_a_backed_one_is_not_walked_again(segment, monkeypatch):
-    # SharedMemory(create=True) only truncates: the segment starts as one hole.
-    path = f"/dev/shm/{segment.name}"
-    assert os.stat(path).st_blocks == 0
-    calls = []
-    real = os.posix_fallocate
-    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, size: calls.append(size) or real(fd, offset, size))
-    for _ in range(2):
-        ShmMapping(segment.name, 8192).close()
-    assert os.stat(path).st_blocks * 512 >= 8192
-    assert calls == [8192]  # the first mapping backed it, the second found it backed
+def test_a_sparse_segment_is_refused_and_a_punched_one_refused_from_then_on(segment):
+    sparse = shared_memory.SharedMemory(create=True, size=8192)  # only truncated: one hole
+    try:
+        with pytest.raises(BadRequest, match=r"is not fully backed: 0 of its 8192 bytes .*posix_fallocate"):
+            ShmMapping(sparse.name, 8192)
+        assert os.stat(f"/dev/shm/{sparse.name}").st_blocks == 0  # the daemon allocated none of it
+    finally:
+        sparse.close()
+        sparse.unlink()
+    mapping = ShmMapping(segment.name, 8192)
+    try:
+        mapping.check()
+        fd = os.open(f"/dev/shm/{segment.name}", os.O_RDWR)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+            assert libc.fallocate(fd, 0x03, 0, 4096) == 0  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        finally:
+            os.close(fd)
+        with pytest.raises(BadRequest, match=r"lost pages after registration \(4096 of 8192 bytes backed"):
+            mapping.check()
+    finally:
+        mapping.close()
 
 
 def test_block_ids_outside_a_region(segment):

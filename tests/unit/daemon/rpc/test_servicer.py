@@ -198,3 +198,16 @@ def test_a_lookup_is_answered_from_the_data_path():
     )
     assert (answer.hit_tokens, answer.degraded) == (0, False)
     assert sample(svc, "kvsidecar_lookup_requests_total", {"outcome": "miss"}) == 1
+
+
+def test_a_lookup_past_the_per_call_limit_is_refused_naming_it():
+    svc = service()
+    svc.datapath.max_lookup_hashes = 4
+    scheduler = call(svc.OpenSession, open_request([group("full_attention", 16)], role=pb.ROLE_SCHEDULER))
+    hashes = [bytes([i]) * 32 for i in range(1, 6)]
+    err = refused(svc.Lookup, pb.LookupRequest(session_id=scheduler.session_id, block_hashes=hashes, num_tokens=81))
+    assert err.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "a Lookup of 5 block hashes: at most 4 per call (--max-lookup-hashes)" in err.details
+    answer = call(svc.Lookup, pb.LookupRequest(session_id=scheduler.session_id, block_hashes=hashes[:4], num_tokens=65))
+    assert answer.hit_tokens == 0
+    svc.shutdown_pools()

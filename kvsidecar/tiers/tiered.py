@@ -1,0 +1,150 @@
+"""A Store made of a DRAM store with the disk engine behind it: one store to the data path.
+
+- put: into DRAM, and every value DRAM took (or refused for lack of space) is copied and written behind to disk.
+  A value DRAM had no room for but the disk queue took is reported stored: it is readable once written.
+- exists: in DRAM or written to disk; a value still queued is not claimed, so a hit is never one that cannot load.
+- get: from DRAM, and each DRAM miss from disk straight into the caller's buffers (checksum verified).
+- remove: from both.
+- tiers: where each key is now (DRAM's answer, else "disk" for a value written to disk); what served each get is
+  told to `on_served` as it happens (the tier-hit metrics), so no location query follows a load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvsidecar.errors import StoreError
+from kvsidecar.store.base import Presence, Store, StoreHealth
+from kvsidecar.store.codes import StoreCode, presence_of_failure
+from kvsidecar.tiers.engine import DiskEngine
+from kvsidecar.tiers.results import ReadResult
+
+__all__ = ["TieredStore"]
+
+MEMORY, DISK = "memory", "disk"
+# DRAM answers after which the disk is asked: the value may be there. Bad parameters are the caller's.
+_NOT_FROM_DRAM = frozenset(StoreCode) - {StoreCode.OK, StoreCode.INVALID_PARAMS}
+
+
+Served = Callable[[Sequence[str], Sequence[int]], None]  # (the tier of each value a get served, its bytes)
+
+
+class TieredStore:
+    """DRAM first, the disk tier behind it; the disk engine is closed with the store."""
+
+    def __init__(self, dram: Store, disk: DiskEngine, on_served: Served = lambda tiers, sizes: None) -> None:
+        """Wrap dram with disk; both are owned (closed) by this store from now on. on_served hears, for every get,
+        which tier served each value it loaded and how many bytes."""
+        self.dram = dram
+        self.disk = disk
+        self._on_served = on_served
+        self._health_note = ""
+
+    def register_buffer(self, address: int, size: int) -> None:
+        """Register with DRAM (the disk reads into any memory)."""
+        self.dram.register_buffer(address, size)
+
+    def unregister_buffer(self, address: int) -> None:
+        """Undo register_buffer."""
+        self.dram.unregister_buffer(address)
+
+    def exists(self, keys: Sequence[str]) -> list[Presence]:
+        """PRESENT when DRAM has the key or the disk has written it; DRAM's answer otherwise."""
+        try:
+            found = self.dram.exists(keys)
+        except StoreError as exc:
+            found = [presence_of_failure(exc.code)] * len(keys)
+        asked = [j for j, p in enumerate(found) if p is not Presence.PRESENT]
+        on_disk = self.disk.contains([keys[j] for j in asked])
+        for j, there in zip(asked, on_disk, strict=True):
+            if there:
+                found[j] = Presence.PRESENT
+        return found
+
+    def put_from(
+        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[StoreCode]:
+        """Put into DRAM and queue each stored (or DRAM-refused for space) value for the disk."""
+        try:
+            codes = self.dram.put_from(keys, addresses, sizes)
+        except StoreError as exc:
+            if exc.code is StoreCode.INVALID_PARAMS:
+                raise
+            codes = [exc.code] * len(keys)
+        out = []
+        for key, a, s, code in zip(keys, addresses, sizes, codes, strict=True):
+            if code is StoreCode.OK:
+                self.disk.enqueue(key, a, s)  # skipped when the queue is full (counted): DRAM still serves it
+            elif code in (StoreCode.NO_SPACE, StoreCode.UNAVAILABLE) and self.disk.enqueue(key, a, s):
+                code = StoreCode.OK
+            out.append(code)
+        return out
+
+    def get_into(
+        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[StoreCode]:
+        """Get from DRAM; read what DRAM missed from disk."""
+        try:
+            codes = self.dram.get_into(keys, addresses, sizes)
+        except StoreError as exc:
+            if exc.code is StoreCode.INVALID_PARAMS:
+                raise
+            codes = [exc.code] * len(keys)
+        asked = [j for j, code in enumerate(codes) if code in _NOT_FROM_DRAM]
+        tier = [MEMORY] * len(keys)
+        if asked:
+            results = self.disk.read_into(
+                [keys[j] for j in asked], [addresses[j] for j in asked], [sizes[j] for j in asked]
+            )
+            for j, result in zip(asked, results, strict=True):
+                if result is ReadResult.OK:
+                    codes[j] = StoreCode.OK
+                    tier[j] = DISK
+                elif result is ReadResult.SIZE_MISMATCH:
+                    codes[j] = StoreCode.SIZE_MISMATCH
+                # MISSING, CORRUPT, IO_ERROR: DRAM's miss stands.
+        ok = [j for j, code in enumerate(codes) if code is StoreCode.OK]
+        if ok:
+            self._on_served([tier[j] for j in ok], [sum(sizes[j]) for j in ok])
+        return codes
+
+    def tiers(self, keys: Sequence[str]) -> list[str]:
+        """Where each key is now: DRAM's answer ("memory", or Mooncake's own "disk"), else "disk" for a value
+        this tier has written, else "" (absent)."""
+        where = self.dram.tiers(keys)
+        asked = [j for j, w in enumerate(where) if not w]
+        for j, there in zip(asked, self.disk.contains([keys[j] for j in asked]), strict=True):
+            if there:
+                where[j] = DISK
+        return where
+
+    def readable(self, key: str) -> bool:
+        """Whether DRAM or the disk can serve key now."""
+        return self.dram.readable(key) or self.disk.contains([key])[0]
+
+    def note_health(self, note: str) -> None:
+        """A line health() adds to its detail from now on."""
+        self._health_note = note
+
+    def remove(self, keys: Sequence[str], *, force: bool = True) -> list[StoreCode]:
+        """Remove from both tiers; OK when either had the key."""
+        codes = self.dram.remove(keys, force=force)
+        on_disk = self.disk.remove(keys)
+        return [StoreCode.OK if there else code for code, there in zip(codes, on_disk, strict=True)]
+
+    def remove_prefix(self, prefix: str, rest: str = "") -> int:
+        """Remove from both tiers; the larger of the two counts (a key is usually in both)."""
+        removed = self.dram.remove_prefix(prefix, rest)
+        return max(removed, self.disk.remove_prefix(prefix, rest))
+
+    def health(self) -> StoreHealth:
+        """DRAM's health, with the disk tier's recovery note."""
+        health = self.dram.health()
+        return health._replace(detail=f"{health.detail}; {self._health_note}") if self._health_note else health
+
+    def close(self) -> None:
+        """Close DRAM, then write out the disk queue and close the disk engine."""
+        try:
+            self.dram.close()
+        finally:
+            self.disk.close()
