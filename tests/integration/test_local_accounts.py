@@ -29,7 +29,13 @@ pytestmark = [
 ]
 
 ENGINE = Path(__file__).resolve().parents[1] / "support" / "tenant_engine.py"
-GOOD = (("open", "team-b"), ("save", "good", 4), ("load", "good", 4))
+
+
+def good_steps() -> tuple[tuple[object, ...], ...]:
+    """The well-behaved engine's steps, on a prompt of its own: the master is shared by every test of the run, and a
+    prompt an earlier test stored would be found, not written."""
+    tag = f"good-{secrets.token_hex(6)}"
+    return (("open", "team-b"), ("save", tag, 4), ("load", tag, 4))
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +154,7 @@ def test_a_sparse_memfd_is_refused_and_the_daemon_in_a_1gib_memory_cgroup_lives(
             assert crafted.get("code") == "INVALID_ARGUMENT", crafted
             assert "is not fully backed: 0 of its 2147483648 bytes" in crafted["reason"], crafted
             assert "posix_fallocate" in crafted["reason"], crafted  # the fix, in the reason
-            assert_unharmed(d, engine(d, b, *GOOD))
+            assert_unharmed(d, engine(d, b, *good_steps()))
         finally:
             assert d.stop() == 0, d.log()
 
@@ -165,7 +171,7 @@ def test_a_hugetlb_memfd_is_refused(users, sockdir, mooncake_master):
         crafted = engine(d, a, ("open_crafted", "team-a", "hugetlb", 2))[0]
         assert crafted.get("code") == "INVALID_ARGUMENT", crafted
         assert "is on hugetlbfs, not shmem" in crafted["reason"], crafted
-        assert_unharmed(d, engine(d, b, *GOOD))
+        assert_unharmed(d, engine(d, b, *good_steps()))
     finally:
         assert d.stop() == 0, d.log()
 
@@ -179,7 +185,7 @@ def test_a_hole_punched_after_registration_refuses_that_session_only(users, sock
         assert punched[1]["written"] == 2, punched
         assert punched[2].get("code") == "INVALID_ARGUMENT", punched
         assert "memfd #0 lost pages after registration" in punched[2]["reason"], punched
-        assert_unharmed(d, engine(d, b, *GOOD))
+        assert_unharmed(d, engine(d, b, *good_steps()))
     finally:
         assert d.stop() == 0, d.log()
 
@@ -205,7 +211,7 @@ def test_one_account_parking_memfds_leaves_the_others_their_share(users, sockdir
     try:
         proc = attacker(d, a, ("park", "team-a", 8), ("touch", str(parked)), ("wait_for", str(release), 300))
         wait_for(parked, proc)
-        good = engine(d, b, *GOOD)
+        good = engine(d, b, *good_steps())
         release.touch()
         park = answers(proc)[0]
         assert park["parked"] == 4 * 253 and park["code"] == "RESOURCE_EXHAUSTED", park
@@ -224,7 +230,8 @@ def test_one_uid_minting_tickets_and_holding_side_connections_leaves_another_its
     try:
         proc = attacker(d, a, ("tickets", 5000), ("touch", str(minted)), ("hold_side", 40, 40))
         wait_for(minted, proc)
-        rounds = [step for i in range(10) for step in (("open", "team-b"), ("save", f"good-{i}", 4))]
+        run = secrets.token_hex(6)
+        rounds = [step for i in range(10) for step in (("open", "team-b"), ("save", f"good-{run}-{i}", 4))]
         good = engine(d, b, *rounds)
         held = answers(proc)
         assert held[0]["minted"] == 256 and held[0]["code"] == "RESOURCE_EXHAUSTED", held
