@@ -39,8 +39,13 @@ def test_vllm_logs_and_exports_the_connectors_lookups_saves_and_loads(vllm_env, 
     warm = engine(tiny_model, daemon, cache_prefix)
     try:
         warm.add("warm", PROMPT)
-        # The scheduler's own call, before vLLM steps (a step would hand the counts to vLLM's scheduler stats).
-        matched, _ = warm.connector.get_num_new_matched_tokens(warm.request("warm"), 0)
+        # The scheduler's own calls, before vLLM steps (a step would hand the counts to vLLM's scheduler stats): the
+        # first starts the lookup and answers "not yet" (None), the one after its answer takes it up.
+        request = warm.request("warm")
+        matched, _ = warm.connector.get_num_new_matched_tokens(request, 0)
+        if matched is None:
+            assert warm.connector.wait_for_lookups(60), "no answer to the lookup"
+            matched, _ = warm.connector.get_num_new_matched_tokens(request, 0)
         assert matched == 4 * BLOCK
         looked = warm.connector.get_kv_connector_stats()
         assert warm.connector.get_kv_connector_stats() is None  # taken once
