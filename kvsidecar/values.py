@@ -82,6 +82,7 @@ class RegionRequest:
     block_bytes: int
     num_blocks: int
     groups: tuple[int, ...]
+    heads: int = 0  # KV heads a block holds head-major (equal consecutive parts); 0: not declared
 
 
 class Failure(NamedTuple):

@@ -90,6 +90,8 @@ def load_outcome(
         else:
             failures.append(Failure(chunk.group, chunk.block_id, Reason.of(code)))
             metrics.load_failed_blocks.labels(kinds[chunk.group], code.value).inc()
+    # A block cut in one value per KV head (rule 11) fails once, whichever of its heads failed.
+    failures = list({(f.group, f.block_id): f for f in failures[::-1]}.values())[::-1] if failures else failures
     for g, kind in enumerate(kinds):
         if loaded_per_group[g]:
             metrics.loaded_blocks.labels(kind).inc(loaded_per_group[g])

@@ -103,7 +103,7 @@ class DataPath:
                 staged: list[tuple[int, SavePlan, list[Buffers]]] = []
                 for i, plan in plans:
                     try:
-                        staged.append((i, plan, [memory.buffers(c.group, c.block_id) for c in plan.chunks]))
+                        staged.append((i, plan, [memory.buffers(c.group, c.block_id, c.part) for c in plan.chunks]))
                     except Exception as exc:
                         out[i] = exc
                 chunks = [c for _, plan, _ in staged for c in plan.chunks]
@@ -257,7 +257,7 @@ class DataPath:
             staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
             for i, reads, nowhere in planned:
                 try:
-                    staged.append((i, reads, nowhere, [memory.buffers(c.group, c.block_id) for c in reads]))
+                    staged.append((i, reads, nowhere, [memory.buffers(c.group, c.block_id, c.part) for c in reads]))
                 except Exception as exc:
                     out[i] = exc
             every = [c for _, reads, _, _ in staged for c in reads]

@@ -66,7 +66,9 @@ def stored_events(
     u = hash_block_size
     by_group: dict[int, list[Chunk]] = {}
     for c in written:
-        if c.boundary % groups[c.group].span == 0:
+        # A block stored as one value per KV head (rule 11) is one block to a router: its first head's value
+        # stands for it (and is the key the sweep watches).
+        if c.part == 0 and c.boundary % groups[c.group].span == 0:
             by_group.setdefault(c.group, []).append(c)
     events: list[BlockStored] = []
     blocks: list[StoredBlock] = []

@@ -50,14 +50,27 @@ class Region:
 class SessionMemory:
     """All regions of one session, grouped per KV-cache group in registration order."""
 
-    def __init__(self, regions: Sequence[RegionRequest], num_groups: int, opener: MappingOpener) -> None:
-        """Check every region, then map each distinct piece of memory once; all or nothing."""
+    def __init__(
+        self,
+        regions: Sequence[RegionRequest],
+        num_groups: int,
+        opener: MappingOpener,
+        values_per_block: Sequence[int] = (),
+    ) -> None:
+        """Check every region, then map each distinct piece of memory once; all or nothing.
+
+        values_per_block[g] > 1 cuts every block of group g into that many values, one per KV head the rank holds
+        (docs/placement.md rule 11): every region of the group must then declare that its block is that many
+        head-major parts.
+        """
+        parts = list(values_per_block) or [1] * num_groups
         if not regions:
             raise BadRequest("RegisterMemory needs at least one region")
         if len(regions) > MAX_REGIONS:
             raise BadRequest(f"at most {MAX_REGIONS} regions per session, got {len(regions)}")
         for i, r in enumerate(regions):
             _check_region(i, r, num_groups)
+            _check_heads(i, r, parts)
         covered = {g for r in regions for g in r.groups}
         missing = sorted(set(range(num_groups)) - covered)
         if missing:
@@ -85,7 +98,9 @@ class SessionMemory:
             region = Region(self.mappings[key], r.offset, r.stride, r.block_bytes, r.num_blocks, r.groups)
             for g in r.groups:
                 self.groups[g].append(region)
-        self.value_bytes = [sum(r.block_bytes for r in regions) for regions in self.groups]
+        self._parts = parts
+        # Bytes of one stored value: a block's bytes in every region of the group, or one head's part of them.
+        self.value_bytes = [sum(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts)]
         self.mapped_bytes = sum(m.size for m in self.mappings.values())
         # Host memory (memfds, /dev/shm), the part the daemon could be made to fault in: what the caps count.
         self.host_bytes = sum(m.size for m in self.mappings.values() if m.identity[0] in ("memfd", "shm"))
@@ -95,19 +110,30 @@ class SessionMemory:
         self._bases = [[r.mapping.address + r.offset for r in regions] for regions in self.groups]
         self._strides = [[r.stride for r in regions] for regions in self.groups]
         self._stride = [_common(strides) for strides in self._strides]
-        self._sizes = [tuple(r.block_bytes for r in regions) for regions in self.groups]
+        self._sizes = [tuple(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts)]
 
-    def buffers(self, group: int, block_id: int) -> tuple[list[int], list[int]]:
-        """Addresses and sizes of a block's slices in every region of its group (one stored value)."""
+    def buffers(self, group: int, block_id: int, part: int = 0) -> tuple[list[int], list[int]]:
+        """Addresses and sizes of one stored value: a block's slices in every region of its group, in order.
+
+        part selects one head's part of each slice where the group stores a value per KV head (rule 11).
+        """
         if not 0 <= block_id < self._blocks_in_group[group]:
             self._out_of_bounds(group, block_id)
+        if not 0 <= part < self._parts[group]:
+            raise BadRequest(f"group {group}: value part {part} of a block cut in {self._parts[group]}")
+        sizes = self._sizes[group]
         stride = self._stride[group]
-        if stride is not None:
+        if stride is not None and not part:
             offset = block_id * stride
             addresses = [base + offset for base in self._bases[group]]
-        else:
+        elif not part:
             addresses = [base + block_id * s for base, s in zip(self._bases[group], self._strides[group], strict=True)]
-        return addresses, list(self._sizes[group])
+        else:
+            addresses = [
+                base + block_id * s + part * size
+                for base, s, size in zip(self._bases[group], self._strides[group], sizes, strict=True)
+            ]
+        return addresses, list(sizes)
 
     def _out_of_bounds(self, group: int, block_id: int) -> None:
         for i, region in enumerate(self.groups[group]):
@@ -150,6 +176,23 @@ def _common(values: Sequence[int]) -> int | None:
     """The one value all of values share, else None."""
     first = values[0] if values else None
     return first if all(v == first for v in values) else None
+
+
+def _check_heads(i: int, spec: RegionRequest, parts: Sequence[int]) -> None:
+    """A region of a group cut per KV head must say its block is exactly that many head-major parts."""
+    for g in spec.groups:
+        if not 0 <= g < len(parts) or parts[g] == 1:
+            continue
+        n = parts[g]
+        if spec.heads != n:
+            said = f"declares {spec.heads} heads" if spec.heads else "declares no heads"
+            raise BadRequest(
+                f"region {i}: group {g} stores one value per KV head across TP sizes, so each block of its regions "
+                f"must be {n} head-major parts (MemoryRegion.heads = {n}); this region {said} (a layout whose "
+                "heads are not the outermost dimension of a block cannot share values across TP sizes)"
+            )
+        if spec.block_bytes % n:
+            raise BadRequest(f"region {i}: block_bytes {spec.block_bytes} is not {n} equal head parts")
 
 
 def _check_region(i: int, spec: RegionRequest, num_groups: int) -> None:

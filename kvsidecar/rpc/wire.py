@@ -140,6 +140,7 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
         hit_alignment_tokens=unit,
         fine_grained_hits=fine,
         value_identity=req.engine.value_identity,
+        share_across_tp=req.share_across_tp,
     )
     return _ROLES[req.role], layout, req.hash_bytes
 
@@ -179,7 +180,14 @@ def regions(items: Sequence[Any]) -> list[RegionRequest]:
             )
         out.append(
             RegionRequest(
-                handle, r.mapping_bytes, r.offset, r.block_stride, r.block_bytes, r.num_blocks, tuple(r.groups)
+                handle,
+                r.mapping_bytes,
+                r.offset,
+                r.block_stride,
+                r.block_bytes,
+                r.num_blocks,
+                tuple(r.groups),
+                r.heads,
             )
         )
     return out
@@ -288,6 +296,8 @@ def open_response(
                 shard_id=g.shard,
                 keys_per_boundary=g.keys_per_boundary,
                 span_tokens=g.span,
+                shared_across_tp=g.shared,
+                values_per_block=len(g.own),
             )
             for g in geo.groups
         ],

@@ -183,7 +183,12 @@ class SessionRegistry:
             # The passed memfds are used by this registration or by none: a later one sends its own.
             fds, session.pending_fds = session.pending_fds, []
         try:
-            memory = SessionMemory(regions, len(session.layout.groups), Opener(fds, shm_names=session.shm_names))
+            memory = SessionMemory(
+                regions,
+                len(session.layout.groups),
+                Opener(fds, shm_names=session.shm_names),
+                [len(g.own) for g in session.geometry.groups],
+            )
         except BaseException:
             self._give_memfds(session, session.memfds_counted)
             raise
@@ -208,8 +213,9 @@ class SessionRegistry:
             self._shapes.claim(
                 session.id,
                 [
-                    (geo.prefix, tuple(r.block_bytes for r in regions))
+                    (prefix, tuple(r.block_bytes // len(geo.own) for r in regions))
                     for geo, regions in zip(session.geometry.groups, memory.groups, strict=True)
+                    for prefix in geo.own
                 ],
             )
             for m in memory.mappings.values():

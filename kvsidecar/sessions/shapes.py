@@ -28,9 +28,10 @@ class ValueShapes:
     def claim(self, session_id: str, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> None:
         """Record (namespace, piece sizes) for each group of a session, or raise BadRequest on a different shape."""
         with self._lock:
-            for group, (prefix, shape) in enumerate(shapes):
+            for prefix, shape in shapes:
                 known = self._shapes.get(prefix)
                 if known is not None and known[0] != shape:
+                    group = prefix.rsplit(".g", 1)[-1]
                     raise BadRequest(
                         f"group {group}: another live session stores values under this namespace as pieces of "
                         f"{_sizes(known[0])} bytes, this registration's are {_sizes(shape)}: their bytes would mean "

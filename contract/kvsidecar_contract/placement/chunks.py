@@ -20,6 +20,8 @@ class Chunk(NamedTuple):
     boundary: int  # token boundary the value is stored under; its key uses hash boundary // U - 1
     block_id: int
     key: str
+    part: int = 0  # which of the block's `parts` equal head-major parts the value is (rule 11); 0 of 1: all of it
+    parts: int = 1
 
 
 class SavePlan(NamedTuple):
@@ -58,8 +60,7 @@ def save_plan(
             if ids[index] == NO_BLOCK:
                 absent += 1
                 continue
-            key = block_key(group.prefix, block_hashes[boundary // u - 1])
-            chunks.append(Chunk(group.index, index, boundary, ids[index], key))
+            chunks += _values(group, index, boundary, ids[index], block_hashes[boundary // u - 1])
     return SavePlan(tuple(chunks), others, absent)
 
 
@@ -89,9 +90,17 @@ def load_plan(
         for index in spans:
             _check_index(group, ids, index)
             boundary = (index + 1) * group.span if index < spans.stop - 1 else tail
-            key = block_key(group.prefix, block_hashes[boundary // u - 1])
-            chunks.append(Chunk(group.index, index, boundary, ids[index], key))
+            chunks += _values(group, index, boundary, ids[index], block_hashes[boundary // u - 1])
     return tuple(chunks)
+
+
+def _values(group: GroupGeometry, index: int, boundary: int, block_id: int, block_hash: bytes) -> list[Chunk]:
+    """The values of one block: one, or one per KV head the rank holds where the group is shared (rule 11)."""
+    own = group.own
+    return [
+        Chunk(group.index, index, boundary, block_id, block_key(prefix, block_hash), part, len(own))
+        for part, prefix in enumerate(own)
+    ]
 
 
 def check_hit(geo: Geometry, num_hashes: int, hit_tokens: int, tails: Sequence[int]) -> None:

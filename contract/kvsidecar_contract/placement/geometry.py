@@ -15,6 +15,7 @@ __all__ = [
     "GroupGeometry",
     "byte_classes",
     "head_shard",
+    "local_heads",
     "replication_factor",
     "span",
     "writes_chunk",
@@ -35,6 +36,15 @@ def head_shard(group: GroupSpec, tp_rank: int, tp_size: int, num_kv_heads: int) 
     if all(k.latent for k in group.members):
         return 0
     return tp_rank // max(1, tp_size // num_kv_heads)
+
+
+def local_heads(group: GroupSpec, tp_rank: int, tp_size: int, num_kv_heads: int) -> range:
+    """The KV heads (0..H-1) a rank holds of a group whose bytes are whole heads: H/T of them, or one when T > H."""
+    if not group.head_split:
+        raise ValueError(f"a {group.describe()} group is not split by KV head")
+    per_rank = max(1, num_kv_heads // tp_size)
+    first = head_shard(group, tp_rank, tp_size, num_kv_heads) * per_rank
+    return range(first, first + per_rank)
 
 
 def byte_classes(group: GroupSpec, par: Parallel, num_kv_heads: int) -> list[list[int]]:
@@ -78,6 +88,15 @@ class GroupGeometry:
     lookup_prefixes: tuple[str, ...]  # every namespace a boundary must exist in (rule 7)
     member: int = 0  # this rank's index in its replication set (rule 4)
     fine: bool = False  # hits may end inside this group's blocks
+    # Rule 11: the namespaces of this rank's values of one block, in the order its bytes are cut: one per KV head it
+    # holds for a group shared across TP sizes (each region's block is that many head-major parts), else (prefix,).
+    parts: tuple[str, ...] = ()
+    shared: bool = False  # values any TP size reads (rule 11)
+
+    @property
+    def own(self) -> tuple[str, ...]:
+        """This rank's namespaces for the group, one per part of a block (rule 11)."""
+        return self.parts or (self.prefix,)
 
     @property
     def keys_per_boundary(self) -> int:
@@ -103,7 +122,13 @@ class Geometry:
         """Derive the geometry of a validated layout."""
         par = layout.parallel
         partitions = [byte_classes(spec, par, layout.num_kv_heads) for spec in layout.groups]
-        namespaces = sum(par.pcp_size * len(classes) * par.pp_size for classes in partitions)
+        heads = layout.num_kv_heads
+        # A group shared across TP sizes has one namespace per KV head (its lookup needs every head) when its bytes
+        # are whole heads; every other group one per replication set.
+        namespaces = sum(
+            par.pcp_size * (heads if layout.shared(g) and spec.head_split else len(classes)) * par.pp_size
+            for g, (spec, classes) in enumerate(zip(layout.groups, partitions, strict=True))
+        )
         if namespaces > MAX_NAMESPACES:
             raise InvalidLayout(
                 f"this layout needs {namespaces} key namespaces per boundary across its groups, more than "
@@ -114,28 +139,36 @@ class Geometry:
         for g, spec in enumerate(layout.groups):
             classes = partitions[g]
             mine = next(c for c in classes if par.tp_rank in c)
-            shard = head_shard(spec, par.tp_rank, par.tp_size, layout.num_kv_heads)
-            # One namespace per replication set, on every PCP rank and pipeline stage; a set is named by the heads
-            # its ranks hold (tp_rank field) and their DCP rank.
-            lookup = tuple(
-                namespace_prefix(
-                    layout.model_key,
-                    layout.cache_prefix,
-                    head_shard(spec, members[0], par.tp_size, layout.num_kv_heads),
-                    c,
-                    par.dcp_rank_at(members[0], c),
-                    p,
-                    g,
+            shard = head_shard(spec, par.tp_rank, par.tp_size, heads)
+            model_key = layout.group_model_key(g)
+
+            def prefix(s: int, c: int, d: int, p: int, g: int = g, model_key: str = model_key) -> str:
+                return namespace_prefix(model_key, layout.cache_prefix, s, c, d, p, g)
+
+            parts: tuple[str, ...] = ()
+            if layout.shared(g) and spec.head_split:
+                # Rule 11: shard field = the KV head; no DCP or PCP here (Layout refuses them with sharing).
+                lookup = tuple(prefix(h, 0, 0, p) for h in range(heads) for p in range(par.pp_size))
+                parts = tuple(
+                    prefix(h, 0, 0, par.pp_rank) for h in local_heads(spec, par.tp_rank, par.tp_size, heads)
                 )
-                for c in range(par.pcp_size)
-                for members in classes
-                for p in range(par.pp_size)
-            )
-            own = namespace_prefix(
-                layout.model_key, layout.cache_prefix, shard, par.pcp_rank, par.dcp_rank, par.pp_rank, g
-            )
+                own = parts[0]
+            else:
+                # One namespace per replication set, on every PCP rank and pipeline stage; a set is named by the
+                # heads its ranks hold (tp_rank field) and their DCP rank.
+                lookup = tuple(
+                    prefix(head_shard(spec, members[0], par.tp_size, heads), c, par.dcp_rank_at(members[0], c), p)
+                    for c in range(par.pcp_size)
+                    for members in classes
+                    for p in range(par.pp_size)
+                )
+                own = prefix(shard, par.pcp_rank, par.dcp_rank, par.pp_rank)
             s, mid = spans.spans[g], spans.mid[g]
-            groups.append(GroupGeometry(g, spec, len(mine), s, shard, own, lookup, mine.index(par.tp_rank), mid))
+            groups.append(
+                GroupGeometry(
+                    g, spec, len(mine), s, shard, own, lookup, mine.index(par.tp_rank), mid, parts, layout.shared(g)
+                )
+            )
         return cls(layout, tuple(groups), spans.fine_grained, spans.unit)
 
     def probed_boundaries(self, group: GroupGeometry, num_hashes: int) -> range:

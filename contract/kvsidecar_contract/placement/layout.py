@@ -91,6 +91,20 @@ class GroupSpec:
         return any(not k.recurrent and not k.latent for k in self.members)
 
     @property
+    def head_split(self) -> bool:
+        """Every member is ordinary attention (full or sliding, not MLA): its bytes are whole KV heads per rank."""
+        return all(not k.recurrent and not k.latent for k in self.members)
+
+    @property
+    def shareable(self) -> bool:
+        """Values any TP size can read (rule 11): whole KV heads, or an MLA latent every rank holds alike.
+
+        Recurrent state (sliced by head and by dim, in layouts the engine chooses) and a uniform group mixing MLA
+        with ordinary attention (one value holds both, sliced differently) stay per layout.
+        """
+        return self.head_split or all(k.latent for k in self.members)
+
+    @property
     def attention_window(self) -> int | None:
         """Tokens of history the attention members need: None for all of them, else the widest window."""
         attn = [k for k in self.members if not k.recurrent]
@@ -187,6 +201,9 @@ class Layout:
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
     value_identity: str = ""  # the client's digest of what its bytes mean (docs/values.md)
+    # Rule 11: store shareable groups at a granularity no TP size decides (one value per KV head; the MLA latent
+    # once), so engines of other TP sizes read them. Every session of an engine, scheduler included, must agree.
+    share_across_tp: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -217,6 +234,11 @@ class Layout:
         tp, heads = self.parallel.tp_size, self.num_kv_heads
         if any(g.gqa for g in self.groups) and heads % tp and tp % heads:
             raise InvalidLayout(f"num_kv_heads {heads} and tp_size {tp} must divide one another")
+        if self.share_across_tp and (self.parallel.dcp_size > 1 or self.parallel.pcp_size > 1):
+            raise InvalidLayout(
+                "share_across_tp is not defined under DCP or PCP: a rank's block then holds an interleaved slice of "
+                "the tokens, which another layout slices otherwise (open the session without it)"
+            )
         u, unit = self.hash_block_size, self.hit_alignment_tokens
         if unit and (unit % u or unit > MAX_TOKENS):
             raise InvalidLayout(
@@ -250,10 +272,38 @@ class Layout:
         }
         return value_id(self.value_identity, session)
 
+    def shared(self, group: int) -> bool:
+        """Whether the group's values are stored for every TP size (rule 11)."""
+        return self.share_across_tp and self.groups[group].shareable
+
+    def group_value_id(self, group: int) -> str:
+        """The value id of one group's keys: the session's, or without the TP size where the group is shared.
+
+        A shared group's value (one KV head of a block, or the MLA latent) has the same bytes at every TP size, so
+        its id leaves T out and says how the value is cut; the other groups keep the session's id, T included.
+        """
+        if not self.shared(group):
+            return self.value_id
+        par, g = self.parallel, self.groups[group]
+        # Only what decides this group's bytes: another group's block size may follow T (a hybrid's attention
+        # blocks sized to its per-rank Mamba state) without changing what one head of this group's block holds.
+        session = {
+            "group": [group, g.kind.value, g.block_size, g.window, [k.value for k in g.inner]],
+            "num_kv_heads": self.num_kv_heads,
+            "hash_block_size": self.hash_block_size,
+            "parallel": ["any", par.pp_size, par.pcp_size, par.dcp_size],
+            "value": "kv_head" if g.head_split else "latent",
+        }
+        return value_id(self.value_identity, session)
+
     @property
     def model_key(self) -> str:
         """The model's field in keys: the last path component of its name, then `~` and the value id."""
         return f"{self.model_name}~{self.value_id}"
+
+    def group_model_key(self, group: int) -> str:
+        """The model's field in one group's keys: `<model>~<that group's value id>`."""
+        return f"{self.model_name}~{self.group_value_id(group)}"
 
 
 def kind_of(name: str, what: str = "group kind", where: str = "") -> Kind:

@@ -76,7 +76,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., block_size: _Optional[int] = ..., window: _Optional[int] = ..., inner: _Optional[_Iterable[_Union[GroupKind, str]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name", "hit_alignment_tokens", "fine_grained_hits")
+    __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name", "hit_alignment_tokens", "fine_grained_hits", "share_across_tp")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class OpenSessionRequest(_message.Message):
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     HIT_ALIGNMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINE_GRAINED_HITS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_ACROSS_TP_FIELD_NUMBER: _ClassVar[int]
     engine: EngineIdentity
     parallel: ParallelLayout
     num_kv_heads: int
@@ -97,19 +98,24 @@ class OpenSessionRequest(_message.Message):
     client_name: str
     hit_alignment_tokens: int
     fine_grained_hits: bool
-    def __init__(self, engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., num_kv_heads: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., hash_bytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., client_name: _Optional[str] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ...) -> None: ...
+    share_across_tp: bool
+    def __init__(self, engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., num_kv_heads: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., hash_bytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., client_name: _Optional[str] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., share_across_tp: _Optional[bool] = ...) -> None: ...
 
 class GroupPlacement(_message.Message):
-    __slots__ = ("replication_factor", "shard_id", "keys_per_boundary", "span_tokens")
+    __slots__ = ("replication_factor", "shard_id", "keys_per_boundary", "span_tokens", "shared_across_tp", "values_per_block")
     REPLICATION_FACTOR_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_PER_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     SPAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ACROSS_TP_FIELD_NUMBER: _ClassVar[int]
+    VALUES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     replication_factor: int
     shard_id: int
     keys_per_boundary: int
     span_tokens: int
-    def __init__(self, replication_factor: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys_per_boundary: _Optional[int] = ..., span_tokens: _Optional[int] = ...) -> None: ...
+    shared_across_tp: bool
+    values_per_block: int
+    def __init__(self, replication_factor: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys_per_boundary: _Optional[int] = ..., span_tokens: _Optional[int] = ..., shared_across_tp: _Optional[bool] = ..., values_per_block: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "lease_ms", "hit_alignment_tokens", "fine_grained_hits", "groups", "daemon_version", "side_secret", "tenant")
@@ -164,7 +170,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
-    __slots__ = ("shm", "cuda", "memfd", "mapping_bytes", "offset", "block_stride", "block_bytes", "num_blocks", "groups")
+    __slots__ = ("shm", "cuda", "memfd", "mapping_bytes", "offset", "block_stride", "block_bytes", "num_blocks", "groups", "heads")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     MEMFD_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +180,7 @@ class MemoryRegion(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     shm: SharedMemoryHandle
     cuda: CudaIpcHandle
     memfd: MemfdHandle
@@ -183,7 +190,8 @@ class MemoryRegion(_message.Message):
     block_bytes: int
     num_blocks: int
     groups: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., memfd: _Optional[_Union[MemfdHandle, _Mapping]] = ..., mapping_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ...) -> None: ...
+    heads: int
+    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., memfd: _Optional[_Union[MemfdHandle, _Mapping]] = ..., mapping_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ..., heads: _Optional[int] = ...) -> None: ...
 
 class RegisterMemoryRequest(_message.Message):
     __slots__ = ("session_id", "regions")
