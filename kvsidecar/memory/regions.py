@@ -100,7 +100,9 @@ class SessionMemory:
                 self.groups[g].append(region)
         self._parts = parts
         # Bytes of one stored value: a block's bytes in every region of the group, or one head's part of them.
-        self.value_bytes = [sum(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts)]
+        self.value_bytes = [
+            sum(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts, strict=True)
+        ]
         self.mapped_bytes = sum(m.size for m in self.mappings.values())
         # Host memory (memfds, /dev/shm), the part the daemon could be made to fault in: what the caps count.
         self.host_bytes = sum(m.size for m in self.mappings.values() if m.identity[0] in ("memfd", "shm"))
@@ -110,7 +112,9 @@ class SessionMemory:
         self._bases = [[r.mapping.address + r.offset for r in regions] for regions in self.groups]
         self._strides = [[r.stride for r in regions] for regions in self.groups]
         self._stride = [_common(strides) for strides in self._strides]
-        self._sizes = [tuple(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts)]
+        self._sizes = [
+            tuple(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts, strict=True)
+        ]
 
     def buffers(self, group: int, block_id: int, part: int = 0) -> tuple[list[int], list[int]]:
         """Addresses and sizes of one stored value: a block's slices in every region of its group, in order.

@@ -149,9 +149,7 @@ class Geometry:
             if layout.shared(g) and spec.head_split:
                 # Rule 11: shard field = the KV head; no DCP or PCP here (Layout refuses them with sharing).
                 lookup = tuple(prefix(h, 0, 0, p) for h in range(heads) for p in range(par.pp_size))
-                parts = tuple(
-                    prefix(h, 0, 0, par.pp_rank) for h in local_heads(spec, par.tp_rank, par.tp_size, heads)
-                )
+                parts = tuple(prefix(h, 0, 0, par.pp_rank) for h in local_heads(spec, par.tp_rank, par.tp_size, heads))
                 own = parts[0]
             else:
                 # One namespace per replication set, on every PCP rank and pipeline stage; a set is named by the

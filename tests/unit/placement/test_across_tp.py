@@ -1,0 +1,185 @@
+"""Rule 11: one cache across TP sizes, checked over T in {1,2,4,8} x H in {1,2,8} x every kind.
+
+Writers of one TP size save a prompt; readers of another TP size look it up and load it. What each value holds is
+taken from the byte oracle (kvsidecar.testing.oracle.member_bytes: which heads, which latent, which state shard a
+rank holds), never from the placement code, so the check is: every key a reader loads was written, by exactly one
+writer rank, with exactly the bytes the reader's own rank would hold there; a group that cannot be shared is a miss
+for another TP size, never another layout's bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+
+import pytest
+
+from kvsidecar.testing.oracle import member_bytes
+from kvsidecar_contract.placement import (
+    Geometry,
+    GroupSpec,
+    InvalidLayout,
+    Kind,
+    Layout,
+    Parallel,
+    load_plan,
+    lookup_plan,
+    save_plan,
+)
+
+TPS = (1, 2, 4, 8)
+HEADS = (1, 2, 8)
+GROUPS = (
+    GroupSpec(Kind.FULL_ATTENTION, 16),
+    GroupSpec(Kind.SLIDING_WINDOW, 16, 32),
+    GroupSpec(Kind.MLA, 16),
+    GroupSpec(Kind.SLIDING_WINDOW_MLA, 16, 32),
+    GroupSpec(Kind.MAMBA, 16),
+    GroupSpec(Kind.UNIFORM, 16, 32, (Kind.SLIDING_WINDOW, Kind.FULL_ATTENTION)),
+    GroupSpec(Kind.UNIFORM, 16, 32, (Kind.MLA, Kind.SLIDING_WINDOW_MLA)),
+    GroupSpec(Kind.UNIFORM, 16, 0, (Kind.MLA, Kind.FULL_ATTENTION)),
+    GroupSpec(Kind.UNIFORM, 16, 0, (Kind.MLA, Kind.MAMBA)),
+)
+# Which kinds the rule shares, written out by hand: whole KV heads, or a latent every rank holds alike.
+SHARED = {0: True, 1: True, 2: True, 3: True, 4: False, 5: True, 6: True, 7: False, 8: False}
+TOKENS = 64
+HASHES = [bytes([i + 1]) * 32 for i in range(TOKENS // 16)]
+
+
+def layout(group: GroupSpec, tp: int, heads: int, rank: int = 0) -> Layout:
+    return Layout(
+        "org/M", (group,), Parallel(tp_size=tp, tp_rank=rank), heads, 16, value_identity="w", share_across_tp=True
+    )
+
+
+def value_bytes(group: GroupSpec, tp: int, heads: int, rank: int, part: int, parts: int) -> Hashable:
+    """What part `part` of `parts` of a rank's block holds, by the oracle: one head, the latent, or the rank's bytes."""
+    held = tuple(member_bytes(k, rank, tp, heads, 1) for k in group.members)
+    if parts == 1:
+        # A whole block: the same bytes for every TP size only where it is one head or the latent.
+        shared = all(h[0] == "latent" or (h[0] == "heads" and len(h[1]) == 1) for h in held)
+        return held if shared else (tp, rank, held)
+    assert all(h[0] == "heads" and len(h[1]) == parts for h in held), "only whole heads are cut"
+    return tuple(("heads", (h[1][part],), h[2]) for h in held)
+
+
+def saved(group: GroupSpec, tp: int, heads: int) -> dict[str, Hashable]:
+    """Every value the writer ranks store for a 64-token prompt, by key; each key written by one rank only."""
+    out: dict[str, Hashable] = {}
+    for r in range(tp):
+        geo = Geometry.of(layout(group, tp, heads, r))
+        plan = save_plan(geo, HASHES, [[10 + i for i in range(len(HASHES))]], TOKENS)
+        for c in plan.chunks:
+            assert c.key not in out, f"{c.key} written twice (write volume must be one copy of each value)"
+            out[c.key] = value_bytes(group, tp, heads, r, c.part, c.parts)
+    return out
+
+
+def divisible(tp: int, heads: int) -> bool:
+    return heads % tp == 0 or tp % heads == 0
+
+
+CASES = [
+    (g, h, w, r)
+    for g, h, w, r in itertools.product(range(len(GROUPS)), HEADS, TPS, TPS)
+    if (divisible(w, h) and divisible(r, h)) or not GROUPS[g].gqa
+]
+
+
+@pytest.mark.parametrize(("g", "heads", "writer_tp", "reader_tp"), CASES)
+def test_a_reader_of_any_tp_size_loads_exactly_its_own_bytes_or_misses(g, heads, writer_tp, reader_tp):
+    group = GROUPS[g]
+    written = saved(group, writer_tp, heads)
+    for r in range(reader_tp):
+        geo = Geometry.of(layout(group, reader_tp, heads, r))
+        probes = lookup_plan(geo, HASHES, TOKENS + 1).keys
+        found = [k in written for k in probes]
+        chunks = load_plan(geo, HASHES, [[20 + i for i in range(len(HASHES))]], TOKENS, (TOKENS,))
+        if SHARED[g] or writer_tp == reader_tp:
+            assert all(found), "every boundary is stored in every namespace the reader probes"
+            for c in chunks:
+                assert written[c.key] == value_bytes(group, reader_tp, heads, r, c.part, c.parts)
+        else:
+            assert not any(found), "another layout's values are never found"
+            assert not any(c.key in written for c in chunks)
+
+
+@pytest.mark.parametrize(("g", "heads", "tp"), [(g, h, t) for g in range(len(GROUPS)) for h in HEADS for t in TPS])
+def test_each_distinct_value_is_written_once_and_shared_groups_store_one_per_head(g, heads, tp):
+    group = GROUPS[g]
+    if group.gqa and not divisible(tp, heads):
+        pytest.skip("H and T must divide one another")
+    written = saved(group, tp, heads)  # asserts one writer per key
+    blocks = TOKENS // 16
+    if group.head_split:
+        assert len(written) == blocks * heads
+        assert len(set(written.values())) == heads
+    elif SHARED[g]:
+        assert len(written) == blocks
+    geo = Geometry.of(layout(group, tp, heads))
+    assert geo.groups[0].shared is SHARED[g]
+
+
+def test_exact_keys_of_a_gqa_group_shared_across_tp():
+    group = GroupSpec(Kind.FULL_ATTENTION, 16)
+    t1 = Geometry.of(layout(group, 1, 2))
+    vid = layout(group, 1, 2).group_value_id(0)
+    assert vid == "06da60b16138ccc71a9c4fa0"
+    assert t1.groups[0].own == (f"kvs1@@M~{vid}@s0.c0.d0.p0.g0", f"kvs1@@M~{vid}@s1.c0.d0.p0.g0")
+    assert [Geometry.of(layout(group, 2, 2, r)).groups[0].own for r in (0, 1)] == [
+        (f"kvs1@@M~{vid}@s0.c0.d0.p0.g0",),
+        (f"kvs1@@M~{vid}@s1.c0.d0.p0.g0",),
+    ]
+    # T = 4 > H = 2: ranks 2 and 3 both hold head 1 and stripe its blocks between them (rule 4).
+    g3 = Geometry.of(layout(group, 4, 2, 3)).groups[0]
+    assert (g3.own, g3.factor, g3.member) == ((f"kvs1@@M~{vid}@s1.c0.d0.p0.g0",), 2, 1)
+    assert t1.groups[0].lookup_prefixes == g3.lookup_prefixes
+    plan = save_plan(t1, HASHES[:1], [[7]], 16)
+    assert [(c.key, c.block_id, c.part, c.parts) for c in plan.chunks] == [
+        (f"kvs1@@M~{vid}@s0.c0.d0.p0.g0@{HASHES[0].hex()}", 7, 0, 2),
+        (f"kvs1@@M~{vid}@s1.c0.d0.p0.g0@{HASHES[0].hex()}", 7, 1, 2),
+    ]
+
+
+def test_the_shared_value_id_leaves_out_t_and_nothing_else():
+    group = GroupSpec(Kind.FULL_ATTENTION, 16)
+    base = layout(group, 1, 8)
+    assert {layout(group, t, 8).group_value_id(0) for t in TPS} == {base.group_value_id(0)}
+    assert base.group_value_id(0) != base.value_id  # never the per-layout namespace
+    for other in (
+        Layout("org/M", (group,), Parallel(), 8, 16, value_identity="other", share_across_tp=True),
+        Layout("org/M", (group,), Parallel(), 4, 16, value_identity="w", share_across_tp=True),
+        Layout(
+            "org/M", (GroupSpec(Kind.FULL_ATTENTION, 32),), Parallel(), 8, 16, value_identity="w", share_across_tp=True
+        ),
+        Layout("org/M", (group,), Parallel(pp_size=2), 8, 16, value_identity="w", share_across_tp=True),
+    ):
+        assert other.group_value_id(0) != base.group_value_id(0)
+    # Without the opt-in nothing changes: today's keys, T included.
+    plain = Layout("org/M", (group,), Parallel(tp_size=2), 8, 16, value_identity="w")
+    assert plain.group_value_id(0) == plain.value_id
+
+
+def test_a_hybrid_shares_its_attention_and_keeps_its_state_per_layout():
+    groups = (GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16))
+
+    def geo(tp: int, r: int = 0) -> Geometry:
+        return Geometry.of(Layout("M", groups, Parallel(tp_size=tp, tp_rank=r), 2, 16, share_across_tp=True))
+
+    one, two = geo(1), geo(2, 1)
+    assert one.groups[0].lookup_prefixes == two.groups[0].lookup_prefixes
+    assert not set(one.groups[1].lookup_prefixes) & set(two.groups[1].lookup_prefixes)
+    assert [g.shared for g in one.groups] == [True, False]
+
+
+@pytest.mark.parametrize(("pcp", "dcp"), [(1, 2), (2, 1), (2, 2)])
+def test_sharing_under_dcp_or_pcp_is_refused_with_the_reason(pcp, dcp):
+    with pytest.raises(InvalidLayout, match="share_across_tp is not defined under DCP or PCP"):
+        Layout(
+            "M",
+            (GroupSpec(Kind.MLA, 16),),
+            Parallel(tp_size=2, pcp_size=pcp, dcp_size=dcp),
+            1,
+            16,
+            share_across_tp=True,
+        )
