@@ -75,7 +75,7 @@ def main() -> None:
             memory = EngineMemory.shared(shape, 2 * n)
             session = sessions.open(Role.RANK, shape.layout("bench/x"), 32, "x")
             fds: list[int] = []  # the memfds a rank would pass over the side socket, handed over directly here
-            regions = describe_regions([(t, (0,)) for t in memory.tensors], fds)
+            regions = describe_regions([(t, (0,), None) for t in memory.tensors], fds)
             session.memory = SessionMemory(wire.regions(regions), 1, Opener(fds))
             request = Request.of(shape, "overhead", n, n)
             datapath = DataPath(StubStore(False), Metrics())

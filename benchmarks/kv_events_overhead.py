@@ -73,7 +73,7 @@ def main() -> None:
     shape = (2 * n, BLOCK_TOKENS, *GQA.token_dims)
     tensors = [shared_tensor(shape, torch.bfloat16, named=True) for _ in range(GQA.regions)]
     session = sessions.open(Role.RANK, GQA.layout("bench/x"), 32, "x")
-    regions = wire.regions(describe_regions([(t, (0,)) for t in tensors]))
+    regions = wire.regions(describe_regions([(t, (0,), None) for t in tensors]))
     session.memory = SessionMemory(regions, 1, Opener(shm_names=True))
     request = Request.of(GQA, "events", n, n)
     tokens = list(range(request.num_tokens))

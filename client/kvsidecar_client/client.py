@@ -97,13 +97,15 @@ class SidecarClient:
         auth: TcpAuth | None = None,
         hit_alignment_tokens: int = 0,
         fine_grained_hits: bool | None = None,
+        share_across_tp: bool = False,
     ) -> SidecarClient:
         """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
 
         Raises InvalidRequest for a bad layout (before any I/O) and DaemonUnavailable when no daemon answers within
         the connect deadline. A TCP listener needs `auth` (TLS, a client certificate and/or a token).
         `value_identity` says what the engine's bytes mean beyond the model's name (docs/values.md); engines whose
-        identities differ never share a value.
+        identities differ never share a value. `share_across_tp` stores the groups that allow it once for every TP
+        size (docs/placement.md rule 11): every session of the engine must say the same.
         """
         spec = SessionSpec(
             model=model,
@@ -118,6 +120,7 @@ class SidecarClient:
             client_name=_default_client_name() if client_name is None else client_name,
             hit_alignment_tokens=hit_alignment_tokens,
             fine_grained_hits=fine_grained_hits,
+            share_across_tp=share_across_tp,
         )
         side = side_socket_for(address) if auth is None else None
         client = cls(make_channel(address, max_message_bytes, auth), spec, deadlines=deadlines, side=side)
@@ -139,12 +142,15 @@ class SidecarClient:
         tensors: Sequence[torch.Tensor],
         groups_of_tensor: Sequence[Sequence[int]],
         *,
+        head_dims: Sequence[int | None] | None = None,
         timeout: float | None = None,
     ) -> Registration:
         """Register the rank's KV-cache tensors once (dim 0 = blocks; tensor i serves groups_of_tensor[i]).
 
         CPU tensors must come from `shared_tensor`; CUDA tensors are shared by CUDA IPC. The client keeps the tensors
-        (and so their shared memory) alive, and registers them again on every re-opened session.
+        (and so their shared memory) alive, and registers them again on every re-opened session. head_dims[i] names
+        tensor i's KV-head dim (None: none): needed where a group stores one value per KV head (share_across_tp),
+        and that dim must then be the outermost of a block.
         """
         method = "RegisterMemory"
         self._keeper.check_open(method)
@@ -157,8 +163,13 @@ class SidecarClient:
         if not 1 <= len(tensors) <= MAX_REGIONS:
             raise InvalidRequest(f"register 1..{MAX_REGIONS} tensors, got {len(tensors)}", method=method)
         num_groups = len(self._spec.groups)
-        memory = tuple((tensor, tuple(groups)) for tensor, groups in zip(tensors, groups_of_tensor, strict=True))
-        for index, (_, groups) in enumerate(memory):
+        dims = list(head_dims) if head_dims is not None else [None] * len(tensors)
+        if len(dims) != len(tensors):
+            raise InvalidRequest(f"{len(tensors)} tensors but {len(dims)} entries in head_dims", method=method)
+        memory = tuple(
+            (tensor, tuple(groups), dim) for tensor, groups, dim in zip(tensors, groups_of_tensor, dims, strict=True)
+        )
+        for index, (_, groups, _dim) in enumerate(memory):
             if not groups or any(not isinstance(g, int) or not 0 <= g < num_groups for g in groups):
                 raise InvalidRequest(
                     f"tensor {index}: groups {groups!r} must name one or more of the {num_groups} groups",

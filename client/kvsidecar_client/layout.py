@@ -153,9 +153,14 @@ class SessionSpec:
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
     value_identity: str = ""
+    # Store the groups that allow it once for every TP size (docs/placement.md rule 11); every session of an engine
+    # must agree, and CPU tensors of head-split groups must hold their KV heads as the outermost dim of a block.
+    share_across_tp: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
+        if not isinstance(self.share_across_tp, bool):
+            raise InvalidRequest(f"share_across_tp must be a bool, got {self.share_across_tp!r}")
         if self.role not in ROLES:
             raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
         for name in ("model", "cache_prefix", "value_identity"):
@@ -196,7 +201,13 @@ class SessionSpec:
             self.hit_alignment_tokens,
             self.fine_grained_hits,
             self.value_identity,
+            self.share_across_tp,
         )
+
+    def values_per_block(self) -> list[int]:
+        """Per group, the values this rank stores per block: one per KV head it holds where shared (rule 11), else 1."""
+        layout = self.to_placement()
+        return [layout.values_per_block(g) for g in range(len(layout.groups))]
 
     @property
     def is_scheduler(self) -> bool:
@@ -218,4 +229,5 @@ class SessionSpec:
             client_name=self.client_name,
             hit_alignment_tokens=self.hit_alignment_tokens,
             fine_grained_hits=self.fine_grained_hits,
+            share_across_tp=self.share_across_tp,
         )

@@ -107,6 +107,8 @@ class GroupPlacement(NamedTuple):
     shard_id: int
     keys_per_boundary: int
     span_tokens: int
+    shared_across_tp: bool = False  # values every TP size reads (rule 11)
+    values_per_block: int = 1  # one per KV head this rank holds where shared, else 1
 
 
 class SessionInfo(NamedTuple):
@@ -123,7 +125,15 @@ class SessionInfo(NamedTuple):
     def from_proto(cls, message: pb.OpenSessionResponse) -> SessionInfo:
         """From the daemon's OpenSessionResponse."""
         groups = tuple(
-            GroupPlacement(g.replication_factor, g.shard_id, g.keys_per_boundary, g.span_tokens) for g in message.groups
+            GroupPlacement(
+                g.replication_factor,
+                g.shard_id,
+                g.keys_per_boundary,
+                g.span_tokens,
+                g.shared_across_tp,
+                g.values_per_block or 1,
+            )
+            for g in message.groups
         )
         return cls(
             message.lease_ms,

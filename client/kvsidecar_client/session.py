@@ -53,7 +53,8 @@ RETRY_INTERVAL = 0.5  # seconds between probes while the daemon is unreachable
 _FALLBACK_LEASE_MS = 15_000  # if a daemon ever answers lease_ms 0
 _CLOSE_SESSION_TIMEOUT = 2.0
 
-Memory = tuple[tuple["torch.Tensor", tuple[int, ...]], ...]
+# Each registered tensor: (tensor, the groups it serves, its KV-head dim or None).
+Memory = tuple[tuple["torch.Tensor", tuple[int, ...], int | None], ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +145,7 @@ class SessionKeeper:
         """Register memory on the current session (opening one if needed) and remember it for every later session."""
         # Describe every region before talking to the daemon, so bad tensors fail here with their reason.
         fds: list[int] = []  # sealed memfds to pass first; refused later if there is no side socket
-        regions = describe_regions(memory, fds)
+        regions = describe_regions(memory, fds, self.spec.values_per_block())
         if not self._lock.acquire(timeout=timeout):
             raise DeadlineExceeded("the session is being re-opened; try again", method="RegisterMemory")
         try:
@@ -246,7 +247,7 @@ class SessionKeeper:
         if self._memory is not None:
             try:
                 fds: list[int] = []  # sealed memfds to pass first; refused later if there is no side socket
-                regions = describe_regions(self._memory, fds)
+                regions = describe_regions(self._memory, fds, self.spec.values_per_block())
                 self._registration = self._register_rpc(session, regions, fds, self.deadlines.register)
             except BaseException:
                 self._close_quietly(session)

@@ -276,6 +276,12 @@ class Layout:
         """Whether the group's values are stored for every TP size (rule 11)."""
         return self.share_across_tp and self.groups[group].shareable
 
+    def values_per_block(self, group: int) -> int:
+        """Rule 11: values one block of the group makes on this rank: one per KV head it holds where shared by head."""
+        if not (self.shared(group) and self.groups[group].head_split):
+            return 1
+        return max(1, self.num_kv_heads // self.parallel.tp_size)
+
     def group_value_id(self, group: int) -> str:
         """The value id of one group's keys: the session's, or without the TP size where the group is shared.
 

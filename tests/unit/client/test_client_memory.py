@@ -197,7 +197,7 @@ def test_heads_outer_blocks_split_into_one_dense_piece_per_head():
     view = memory.permute(1, 0, 2, 3)
     pieces = dense_pieces(view)
     assert [region_geometry(p) for p in pieces] == [(0, 512, 512, 4), (4 * 512, 512, 512, 4)]
-    assert [r.block_bytes for r in describe_regions([(view, (0,))])] == [512, 512]
+    assert [r.block_bytes for r in describe_regions([(view, (0,), None)])] == [512, 512]
 
 
 def test_padded_pages_keep_their_stride_and_leave_the_padding_out():
@@ -286,4 +286,27 @@ def test_describe_regions_keeps_registration_order():
     kv = shared_tensor((2, 6, 16, 8), torch.float16, named=True)
     state = shared_tensor((6, 32), torch.float32, named=True)
     memory = [(kv[0], (0,)), (kv[1], (0,)), (state, (1,))]
-    assert describe_regions(memory) == [describe_region(t, g) for t, g in memory]
+    assert describe_regions([(t, g, None) for t, g in memory]) == [describe_region(t, g) for t, g in memory]
+
+
+def test_a_group_cut_per_kv_head_declares_its_heads_when_they_are_outermost():
+    # vLLM CPU's (2, blocks, heads, block_size, head_size): after the K/V split each block is heads x (16 x 8).
+    kv = shared_tensor((2, 4, 2, 16, 8), torch.float16, named=True)
+    regions = describe_regions([(kv[0], (0,), 1), (kv[1], (0,), 1)], values_per_block=[2])
+    assert [(r.heads, r.block_bytes) for r in regions] == [(2, 512), (2, 512)]
+    # One head per rank (T >= H): nothing to cut, nothing declared.
+    assert describe_regions([(kv[0], (0,), None)], values_per_block=[1])[0].heads == 0
+
+
+@pytest.mark.parametrize(
+    ("shape", "head_dim", "reason"),
+    [
+        ((2, 4, 16, 2, 8), 2, "not the outermost dim of a block"),
+        ((2, 4, 2, 16, 8), None, "register must be told which dim holds the KV heads"),
+        ((2, 4, 2, 16, 8), 3, "dim 3 should hold this rank's 2 KV heads"),
+    ],
+)
+def test_a_group_cut_per_kv_head_refuses_what_cannot_be_cut(shape, head_dim, reason):
+    kv = shared_tensor(shape, torch.float16, named=True)
+    with pytest.raises(InvalidRequest, match=reason):
+        describe_regions([(kv[0], (0,), head_dim)], values_per_block=[2])

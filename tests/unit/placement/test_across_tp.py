@@ -116,8 +116,11 @@ def test_each_distinct_value_is_written_once_and_shared_groups_store_one_per_hea
         assert len(set(written.values())) == heads
     elif SHARED[g]:
         assert len(written) == blocks
-    geo = Geometry.of(layout(group, tp, heads))
-    assert geo.groups[0].shared is SHARED[g]
+    for r in range(tp):
+        geo = Geometry.of(layout(group, tp, heads, r))
+        assert geo.groups[0].shared is SHARED[g]
+        # What the client cuts its regions by (no keys) agrees with the namespaces the daemon writes.
+        assert len(geo.groups[0].own) == layout(group, tp, heads, r).values_per_block(0)
 
 
 def test_exact_keys_of_a_gqa_group_shared_across_tp():
