@@ -19,15 +19,22 @@ from kvsidecar_client.memory import SHM_DIR
 MAX_TOKENS = 16
 
 
-def kv_transfer_config(socket: str, prefix: str, *, connector: str = "NoisyLoadsConnector") -> dict[str, Any]:
+def kv_transfer_config(
+    socket: str,
+    prefix: str,
+    *,
+    connector: str = "NoisyLoadsConnector",
+    role: str = "kv_both",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The --kv-transfer-config of the README, with the test's switchable-noise connector by default."""
     module = "noisy_connector" if connector == "NoisyLoadsConnector" else "kvsidecar_client.vllm"
     return {
         "kv_connector": connector,
         "kv_connector_module_path": module,
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket": socket, "cache_prefix": prefix},
+        "kv_connector_extra_config": {"socket": socket, "cache_prefix": prefix, **(extra or {})},
     }
 
 
@@ -110,7 +117,18 @@ class Engine:
     noise_flag: Path
 
     @classmethod
-    def start(cls, model: TinyModel, path: Path, socket: str, workdir: Path, **overrides: Any) -> Engine:
+    def start(
+        cls,
+        model: TinyModel,
+        path: Path,
+        socket: str,
+        workdir: Path,
+        *,
+        prefix: str | None = None,
+        role: str = "kv_both",
+        extra: dict[str, Any] | None = None,
+        **overrides: Any,
+    ) -> Engine:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
@@ -124,7 +142,9 @@ class Engine:
             "max_model_len": 1024,
             "enable_prefix_caching": True,
             "seed": 0,
-            "kv_transfer_config": KVTransferConfig(**kv_transfer_config(socket, f"t{uuid.uuid4().hex[:12]}")),
+            "kv_transfer_config": KVTransferConfig(
+                **kv_transfer_config(socket, prefix or f"t{uuid.uuid4().hex[:12]}", role=role, extra=extra)
+            ),
         }
         settings.update(model.llm)
         settings.update(overrides)

@@ -78,6 +78,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             deadlines=settings.deadlines,
             hit_alignment_tokens=alignment,
             fine_grained_hits=fine_grained,
+            share_across_tp=settings.share_across_tp,
         )
         if transfer.is_kv_consumer and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(

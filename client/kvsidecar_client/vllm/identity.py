@@ -8,6 +8,7 @@ or nodes of one deployment may (layer names of a PP stage, block counts, paths).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -77,16 +78,30 @@ def model_fingerprint(model_config: Any) -> dict[str, Any]:
     }
 
 
+# Spec fields that follow the TP size rather than the model: a rank's KV heads and state shapes, and the page
+# padding sized to them. The daemon's value id holds T wherever a value's bytes depend on it, and total heads always,
+# so leaving these out lets a group shared across TP sizes (docs/placement.md rule 11) have one identity at every T.
+_PER_RANK_FIELDS = frozenset({"num_kv_heads", "shapes", "page_size_padded"})
+
+
+def _describe(spec: Any) -> str:
+    if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        return repr(spec)
+    kept = [(f.name, repr(getattr(spec, f.name))) for f in dataclasses.fields(spec) if f.name not in _PER_RANK_FIELDS]
+    return f"{type(spec).__name__}({', '.join(f'{name}={value}' for name, value in kept)})"
+
+
 def _spec_descriptions(kv_cache_config: Any) -> list[Any]:
-    """Each group's spec with its parameters, without layer names (a PP stage lists only its own layers)."""
+    """Each group's spec with its parameters, without layer names (a PP stage lists only its own layers) and
+    without what depends on the rank's share of the model (_PER_RANK_FIELDS)."""
     out: list[Any] = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         members = getattr(spec, "kv_cache_specs", None)
         if isinstance(members, dict):
-            out.append([type(spec).__name__, sorted({repr(m) for m in members.values()})])
+            out.append([type(spec).__name__, sorted({_describe(m) for m in members.values()})])
         else:
-            out.append(repr(spec))
+            out.append(_describe(spec))
     return out
 
 

@@ -19,7 +19,7 @@ from kvsidecar_client.errors import InvalidRequest
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REGION_ORDER", "layer_parts", "regions_of"]
+__all__ = ["REGION_ORDER", "head_dim_of", "layer_parts", "regions_of"]
 
 # Bump when the order above changes: values registered in the old order then never match.
 REGION_ORDER = 1
@@ -69,3 +69,20 @@ def regions_of(
                 groups.append((g,))
                 names.append(name)
     return tensors, groups, names
+
+
+def head_dim_of(name: str, part: torch.Tensor, heads: int) -> int | None:
+    """The dim of a layer part holding the rank's KV heads, where its group stores one value per head (rule 11).
+
+    vLLM's attention parts are (blocks, ...) over block_size tokens, the rank's KV heads and the head size, in the
+    backend's order; the heads are the one dim of that size. None where nothing is cut (one head on this rank).
+    """
+    if heads <= 1:
+        return None
+    dims = [d for d in range(1, part.dim()) if part.shape[d] == heads]
+    if len(dims) != 1:
+        raise InvalidRequest(
+            f"layer {name}: cannot tell which dim of a cache part of shape {tuple(part.shape)} holds this rank's "
+            f"{heads} KV heads ({len(dims)} dims have that size); share_across_tp cannot cut its values per head"
+        )
+    return dims[0]

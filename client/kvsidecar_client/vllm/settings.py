@@ -12,7 +12,7 @@ from kvsidecar_contract.paths import default_target
 
 __all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings"]
 
-_KEYS = frozenset({"socket", "cache_prefix", "model_identity", "timeouts"})
+_KEYS = frozenset({"socket", "cache_prefix", "model_identity", "timeouts", "share_across_tp"})
 _TIMEOUTS = frozenset({"connect", "register", "save", "lookup", "load", "control"})
 # How much longer than a save's own deadline the worker waits for it before vLLM may reuse its blocks: past the
 # deadline the daemon starts no put and removes what it wrote late, so the blocks are free again.
@@ -28,12 +28,16 @@ class ConnectorSettings:
     model_identity: stands for the model's fingerprint (config and weights sample) in the value identity, for
         deployments an operator vouches run the same model from checkpoints that sample differently (docs/values.md).
     timeouts: per-call deadlines in seconds, any of connect, register, save, lookup, load, control.
+    share_across_tp: store attention (by KV head) and MLA values once for every TP size, so deployments of other TP
+        sizes (a TP=4 and a TP=8 fleet, a wide prefill and a narrow decode) read each other's prompts
+        (docs/placement.md rule 11). Every deployment that should share must set it; Mamba state stays per layout.
     """
 
     socket: str = field(default_factory=default_target)
     cache_prefix: str = ""
     model_identity: str = ""
     deadlines: Deadlines = field(default_factory=Deadlines)
+    share_across_tp: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -59,4 +63,9 @@ class ConnectorSettings:
             deadlines = Deadlines(**{name: float(value) for name, value in timeouts.items()})
         except (TypeError, ValueError) as error:
             raise InvalidRequest(f"kv_connector_extra_config: bad timeouts {dict(timeouts)!r}: {error}") from None
-        return cls(socket=socket, cache_prefix=prefix, model_identity=pinned, deadlines=deadlines)
+        share = extra.get("share_across_tp", False)
+        if not isinstance(share, bool):
+            raise InvalidRequest(f"kv_connector_extra_config: share_across_tp must be true or false, got {share!r}")
+        return cls(
+            socket=socket, cache_prefix=prefix, model_identity=pinned, deadlines=deadlines, share_across_tp=share
+        )

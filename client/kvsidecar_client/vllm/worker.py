@@ -25,7 +25,7 @@ from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.memory import segment_of
 from kvsidecar_client.results import LoadResult, Registration
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
-from kvsidecar_client.vllm.regions import regions_of
+from kvsidecar_client.vllm.regions import head_dim_of, regions_of
 from kvsidecar_client.vllm.stats import StatsRecorder
 
 __all__ = ["TransferResults", "WorkerSide"]
@@ -100,7 +100,11 @@ class WorkerSide:
                     "IPC without any change)"
                 )
         self._cuda = any(t.device.type == "cuda" for t in tensors)
-        return self._client.register(tensors, groups)
+        cut = self._client.spec.values_per_block()
+        head_dims = [
+            head_dim_of(name, t, max(cut[g] for g in gs)) for name, t, gs in zip(names, tensors, groups, strict=True)
+        ]
+        return self._client.register(tensors, groups, head_dims=head_dims)
 
     # ---- each step ----
 
