@@ -109,7 +109,15 @@ def test_settings_from_extra_config():
     )
     assert ConnectorSettings.from_extra_config(None).socket == default_target()
     assert default_target({"XDG_RUNTIME_DIR": "/run/user/7"}) == "unix:///run/user/7/kvsidecar/kvsidecar.sock"
-    for bad in ({"sokcet": "x"}, {"timeouts": {"lookup": 0}}, {"timeouts": {"soon": 1}}, {"cache_prefix": 3}):
+    assert ConnectorSettings.from_extra_config({"share_across_tp": True}).share_across_tp
+    assert not ConnectorSettings.from_extra_config({}).share_across_tp
+    for bad in (
+        {"sokcet": "x"},
+        {"timeouts": {"lookup": 0}},
+        {"timeouts": {"soon": 1}},
+        {"cache_prefix": 3},
+        {"share_across_tp": "yes"},
+    ):
         with pytest.raises(InvalidRequest):
             ConnectorSettings.from_extra_config(bad)
 

@@ -131,3 +131,20 @@ def test_the_weights_sample_tells_a_fine_tune_from_its_base(tmp_path):
         str(model_dir(tmp_path / "copy", weights=bytes(300_000)))
     )
     assert identity.weights_sample(str(tmp_path / "no-such-dir")) is None
+
+
+def test_the_identity_does_not_follow_the_tp_size(tmp_path):
+    """A rank's share of the KV heads is vLLM's per-rank spec field; the identity leaves it out (the daemon's value id
+    keeps T wherever bytes depend on it), so engines of other TP sizes can share values (placement rule 11)."""
+    import dataclasses
+
+    model = model_dir(tmp_path)
+    config = vllm_config(model, {"socket": "unix:///nowhere"})
+    heads = FULL.num_kv_heads
+    at = {
+        n: identity.value_identity(config, kv_cache_config((dataclasses.replace(FULL, num_kv_heads=n),)))
+        for n in (heads, heads * 2)
+    }
+    assert at[heads] == at[heads * 2]
+    other = kv_cache_config((dataclasses.replace(FULL, head_size=FULL.head_size * 2),))
+    assert identity.value_identity(config, other) != at[heads]
