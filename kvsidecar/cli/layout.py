@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from kvsidecar_contract.placement import Geometry, Layout, Parallel, PlacementError, block_key, parse_groups
@@ -26,6 +27,7 @@ def build_layout(
     value_identity: str = "",
     block_size: int = 16,
     hash_block_size: int = 16,
+    share_across_tp: bool = False,
 ) -> Layout:
     """A layout seen from TP rank 0 (pcp and pp rank 0), from CLI-style arguments."""
     return Layout(
@@ -36,6 +38,7 @@ def build_layout(
         hash_block_size=hash_block_size,
         cache_prefix=cache_prefix,
         value_identity=value_identity,
+        share_across_tp=share_across_tp,
     )
 
 
@@ -58,6 +61,8 @@ def describe(layout: Layout) -> dict[str, Any]:
                 "span_tokens": group.span,
                 "window": group.spec.window or None,
                 "replication_factor": f,
+                "shared_across_tp": group.shared,
+                "values_per_block": len(group.own),
                 "keys_per_boundary": group.keys_per_boundary,
                 "shard_of_rank": shards,
                 "writers_of_chunk0": [r for r, rank in enumerate(ranks) if rank.groups[group.index].writes(0)],
@@ -76,8 +81,57 @@ def describe(layout: Layout) -> dict[str, Any]:
         "hash_block_size": layout.hash_block_size,
         "fine_grained_hits": geo.fine_grained,
         "hit_alignment_tokens": geo.unit,
+        "share_across_tp": layout.share_across_tp,
         "groups": groups,
     }
+
+
+def readers(layout: Layout, reader_tp: int) -> list[dict[str, Any]]:
+    """Per group, which values each rank of a reader with another TP size loads for chunk 0, and who wrote them.
+
+    The writer is `layout`; the reader is the same engine at TP `reader_tp`. A value no writer rank stores is a miss
+    for the reader (groups kept per layout: rule 11), never another layout's bytes.
+    """
+    par = layout.parallel
+    reader = replace(
+        layout, parallel=Parallel(tp_size=reader_tp, pp_size=par.pp_size, pcp_size=par.pcp_size, dcp_size=par.dcp_size)
+    )
+    writers = [Geometry.of(layout.for_rank(r)) for r in range(par.tp_size)]
+    readers_ = [Geometry.of(reader.for_rank(r)) for r in range(reader_tp)]
+    out = []
+    for g, spec in enumerate(layout.groups):
+        written = {
+            block_key(prefix, EXAMPLE_HASH): r
+            for r, geo in enumerate(writers)
+            if geo.groups[g].writes(0)
+            for prefix in geo.groups[g].own
+        }
+        reads = [
+            {
+                "rank": r,
+                "values": [
+                    {"key": key, "written_by": written.get(key)}
+                    for key in (block_key(prefix, EXAMPLE_HASH) for prefix in geo.groups[g].own)
+                ],
+            }
+            for r, geo in enumerate(readers_)
+        ]
+        out.append({"index": g, "spec": spec.describe(), "shared_across_tp": layout.shared(g), "reads": reads})
+    return out
+
+
+def render_readers(reader_tp: int, writer_tp: int, groups: list[dict[str, Any]]) -> str:
+    """The reader table: each reader rank's values of chunk 0 and the writer rank that stored each."""
+    lines = [f"a reader at tp {reader_tp} of values written at tp {writer_tp} (chunk 0):"]
+    for g in groups:
+        how = "shared across TP sizes" if g["shared_across_tp"] else "per layout: another TP size misses"
+        lines.append(f"  group {g['index']} ({g['spec']}, {how})")
+        for read in g["reads"]:
+            for value in read["values"]:
+                who = value["written_by"]
+                by = f"written by tp rank {who}" if who is not None else "written by nobody: a miss"
+                lines.append(f"    reader rank {read['rank']}: {value['key']}  <- {by}")
+    return "\n".join(lines)
 
 
 def render_table(info: dict[str, Any]) -> str:
@@ -116,7 +170,7 @@ def render_table(info: dict[str, Any]) -> str:
 
 def _example_key(layout: Layout, group: GroupGeometry, tp_rank: int) -> str:
     own = Geometry.of(layout.for_rank(tp_rank)).groups[group.index]
-    return block_key(own.prefix, EXAMPLE_HASH)
+    return " ".join(block_key(prefix, EXAMPLE_HASH) for prefix in own.own)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,12 +187,21 @@ def run(args: argparse.Namespace) -> int:
             value_identity=args.value_identity,
             block_size=args.block_size,
             hash_block_size=args.hash_block_size or args.block_size,
+            share_across_tp=args.share_across_tp,
         )
         info = describe(layout)
+        if args.reader_tp:
+            info["reader"] = {"tp": args.reader_tp, "groups": readers(layout, args.reader_tp)}
     except PlacementError as exc:
         print(f"kvsidecar layout: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(info, indent=2) if args.json else render_table(info))
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(render_table(info))
+        if args.reader_tp:
+            print()
+            print(render_readers(args.reader_tp, info["tp"], info["reader"]["groups"]))
     return 0
 
 
@@ -168,5 +231,18 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per physical block (default 16)")
     p.add_argument("--hash-block-size", type=int, default=0, help="U, tokens per block hash (default: block size)")
+    p.add_argument(
+        "--share-across-tp",
+        action="store_true",
+        help="store shareable groups once for every TP size (docs/placement.md rule 11), as the connector's "
+        "share_across_tp does",
+    )
+    p.add_argument(
+        "--reader-tp",
+        type=int,
+        default=0,
+        help="also show, for a reader of this TP size, which values each of its ranks loads and which writer rank "
+        "stored them",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)

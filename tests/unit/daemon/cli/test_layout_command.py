@@ -79,3 +79,24 @@ def test_invalid_layouts_exit_nonzero_with_one_line(args, reason):
     assert out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and reason in lines[0]
+
+
+def test_a_reader_of_another_tp_size_sees_who_wrote_each_value():
+    out = run(
+        "--tp", "2", "--kv-heads", "2", "--groups", "mla,full_attention,mamba", "--share-across-tp",
+        "--reader-tp", "4", "--model", "org/Llama", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert [g["shared_across_tp"] for g in info["groups"]] == [True, True, False]
+    assert [g["values_per_block"] for g in info["groups"]] == [1, 1, 1]
+    groups = info["reader"]["groups"]
+    # MLA: every reader rank loads the one latent value, written by writer rank 0 (chunk 0's stripe, rule 4).
+    assert {v["written_by"] for r in groups[0]["reads"] for v in r["values"]} == {0}
+    # GQA: reader ranks 0, 1 hold head 0 (written by writer rank 0), ranks 2, 3 head 1 (writer rank 1).
+    assert [[v["written_by"] for v in r["values"]] for r in groups[1]["reads"]] == [[0], [0], [1], [1]]
+    assert [r["values"][0]["key"].split("@")[3][:2] for r in groups[1]["reads"]] == ["s0", "s0", "s1", "s1"]
+    # Mamba stays per layout: nobody wrote what a TP=4 reader would load.
+    assert {v["written_by"] for r in groups[2]["reads"] for v in r["values"]} == {None}
+    table = run("--tp", "1", "--kv-heads", "2", "--share-across-tp", "--reader-tp", "2").stdout
+    assert "reader rank 1: kvs1@@model~" in table and "<- written by tp rank 0" in table
