@@ -1,0 +1,150 @@
+"""One cache across TP sizes (docs/placement.md rule 11): write volume and load throughput, side by side in one run.
+
+    python benchmarks/across_tp.py [--blocks 256] [--layers 8] [--heads 8] [--writer-tp 2] [--reader-tp 4]
+                                   [--rounds 5]
+
+One real daemon with its embedded Mooncake master. A GQA model (H KV heads of 128 fp16, 16-token blocks, K and V
+per layer, head-major like vLLM CPU's cache) is saved by a writer engine of TP `writer-tp`, each rank a client
+session of its own, all ranks at once; then read by:
+
+- a same-TP reader of the per-layout values (share_across_tp off: one value per block, today's default),
+- a same-TP reader of the shared values (one value per KV head),
+- a reader of TP `reader-tp` of the shared values (the cross-TP case),
+
+each reader's ranks loading at once, rounds interleaved. Prints the bytes written per distinct byte (1.0: each
+byte once) and the values per save, and the load rate of each reader in GiB/s with the ratio to the same-TP
+per-layout reader, median of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvsidecar.testing.processes import Daemon
+from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
+
+GIB = 1 << 30
+BLOCK = 16
+HEAD_SIZE = 128
+
+
+class Rank:
+    """One engine rank: its session and its KV cache (2 x layers tensors of (blocks, heads, 16, 128) fp16)."""
+
+    def __init__(self, target: str, tp: int, r: int, args: argparse.Namespace, share: bool, prefix: str) -> None:
+        heads = max(1, args.heads // tp)
+        self.kv = shared_tensor((2 * args.layers, args.blocks, heads, BLOCK, HEAD_SIZE), torch.float16)
+        self.client = SidecarClient.connect(
+            target, model="bench/Llama", layout=EngineLayout(tp_size=tp, tp_rank=r), num_kv_heads=args.heads,
+            hash_block_size=BLOCK, groups=[GroupSpec("full_attention", block_size=BLOCK)], cache_prefix=prefix,
+            value_identity="bench", share_across_tp=share,
+        )  # fmt: skip
+        parts = [self.kv[i] for i in range(2 * args.layers)]
+        self.client.register(parts, [(0,)] * len(parts), head_dims=[1] * len(parts))
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def engine(target: str, tp: int, args: argparse.Namespace, share: bool, prefix: str) -> list[Rank]:
+    return [Rank(target, tp, r, args, share, prefix) for r in range(tp)]
+
+
+def save_all(ranks: list[Rank], hashes: list[bytes], tokens: int) -> tuple[int, int]:
+    """Every rank saves the prompt at once: (bytes written, values written) summed over ranks."""
+    ids = [list(range(len(hashes)))]
+    with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
+        results = list(pool.map(lambda rank: rank.client.save(hashes, ids, tokens).result(timeout=600), ranks))
+    for r in results:
+        assert r.failed == 0, r
+    return sum(r.bytes_written for r in results), sum(r.written for r in results)
+
+
+def load_all(ranks: list[Rank], hashes: list[bytes], tokens: int) -> float:
+    """Every rank looks the prompt up and loads it at once: GiB/s over the bytes every rank received."""
+    hits = [rank.client.lookup(hashes, tokens + 1) for rank in ranks]
+    assert all(h.hit_tokens == tokens for h in hits), [h.hit_tokens for h in hits]
+    ids = [list(range(len(hashes)))]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
+        failed = list(pool.map(lambda p: p[0].client.load(hashes, ids, p[1]), zip(ranks, hits, strict=True)))
+    elapsed = time.perf_counter() - start
+    assert all(not f for f in failed), failed
+    return sum(rank.nbytes for rank in ranks) / elapsed / GIB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--writer-tp", type=int, default=2)
+    parser.add_argument("--reader-tp", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    hashes = [i.to_bytes(4, "big") * 8 for i in range(1, args.blocks + 1)]
+    tokens = BLOCK * args.blocks
+    distinct = 2 * args.layers * args.blocks * args.heads * BLOCK * HEAD_SIZE * 2
+    segment = f"{max(256, 3 * distinct // (1 << 20) + 64)}MiB"
+    with tempfile.TemporaryDirectory() as work:
+        daemon = Daemon(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
+        try:
+            rows = []
+            per_layout = engine(daemon.target, args.writer_tp, args, False, "layout")
+            shared = engine(daemon.target, args.writer_tp, args, True, "shared")
+            for ranks in (per_layout, shared):
+                for i, rank in enumerate(ranks):
+                    rank.kv.copy_(torch.randn(rank.kv.shape, generator=torch.Generator().manual_seed(i)))
+            for name, ranks in (("per layout", per_layout), ("shared across TP", shared)):
+                written, values = save_all(ranks, hashes, tokens)
+                rows.append((name, written / distinct, values / args.blocks))
+            print(f"# across TP: GQA H={args.heads}, {args.layers} layers, {args.blocks} blocks of {BLOCK} tokens,")
+            print(f"# writer TP={args.writer_tp}, {distinct / (1 << 20):.0f} MiB of distinct KV\n")
+            print("| writer | bytes written / distinct bytes | values per block |")
+            print("| --- | --- | --- |")
+            for name, ratio, per_block in rows:
+                print(f"| TP={args.writer_tp}, {name} | {ratio:.3f} | {per_block:g} |")
+            for ranks in (per_layout, shared):
+                for rank in ranks:
+                    rank.close()
+            readers = {
+                f"TP={args.writer_tp} reader, per-layout values": engine(
+                    daemon.target, args.writer_tp, args, False, "layout"
+                ),
+                f"TP={args.writer_tp} reader, shared values": engine(
+                    daemon.target, args.writer_tp, args, True, "shared"
+                ),
+                f"TP={args.reader_tp} reader, shared values": engine(
+                    daemon.target, args.reader_tp, args, True, "shared"
+                ),
+            }
+            rates: dict[str, list[float]] = {name: [] for name in readers}
+            for _ in range(args.rounds):
+                for name, ranks in readers.items():
+                    rates[name].append(load_all(ranks, hashes, tokens))
+            base = statistics.median(rates[next(iter(readers))])
+            print(f"\n| reader (all ranks loading at once, median of {args.rounds}) | GiB/s | ratio |")
+            print("| --- | --- | --- |")
+            for name, values in rates.items():
+                median = statistics.median(values)
+                print(f"| {name} | {median:.2f} | {median / base:.2f}x |")
+            for ranks in readers.values():
+                for rank in ranks:
+                    rank.close()
+        finally:
+            daemon.stop()
+
+
+if __name__ == "__main__":
+    main()
