@@ -36,19 +36,21 @@ def save_outcome(
 ) -> SaveOutcome:
     """One request's save from its chunks' results, counted for operators."""
     kinds = kinds_of(session)
-    written = bytes_written = 0
+    written = bytes_written = skipped = 0
     over_budget: list[Failure] = []
     failures: list[Failure] = []
     # Counted per group and added to the metrics once per group: a save moves hundreds of chunks.
     saved_per_group = [0] * len(kinds)
     skipped_per_group = [0] * len(kinds)
     for chunk, result in zip(plan.chunks, results, strict=True):
+        # Blocks for operators: a block cut per KV head (rule 11) counts once, by its first head's value.
         if result is Saved.PRESENT:
-            skipped_per_group[chunk.group] += 1
+            skipped += 1
+            skipped_per_group[chunk.group] += chunk.part == 0
         elif result is Saved.WRITTEN:
             written += 1
             bytes_written += memory.value_bytes[chunk.group]
-            saved_per_group[chunk.group] += 1
+            saved_per_group[chunk.group] += chunk.part == 0
         else:
             (over_budget if result is Reason.TENANT_BUDGET else failures).append(
                 Failure(chunk.group, chunk.block_id, result)
@@ -65,7 +67,6 @@ def save_outcome(
     if session.tenant:
         metrics.tenant_saved_blocks.labels(session.tenant).inc(written)
         metrics.tenant_saved_bytes.labels(session.tenant).inc(bytes_written)
-    skipped = sum(skipped_per_group)
     return SaveOutcome(written, skipped, (*over_budget, *failures), plan.others, bytes_written, plan.absent)
 
 
@@ -80,18 +81,23 @@ def load_outcome(
     """One request's load from its chunks' codes, counted for operators."""
     kinds = kinds_of(session)
     loaded = nbytes = 0
-    failures = [Failure(c.group, c.block_id, Reason.NO_BLOCK) for c in nowhere]
+    failures = [Failure(c.group, c.block_id, Reason.NO_BLOCK) for c in nowhere if c.part == 0]
+    # Operators count blocks: a block cut in one value per KV head (rule 11) is loaded when every head is, and
+    # fails once, whichever of its heads failed.
     loaded_per_group = [0] * len(kinds)
+    failed: dict[tuple[int, int], StoreCode] = {}
     for chunk, code in zip(chunks, codes, strict=True):
+        if chunk.part == 0:
+            loaded_per_group[chunk.group] += 1
         if code is StoreCode.OK:
             loaded += 1
             nbytes += memory.value_bytes[chunk.group]
-            loaded_per_group[chunk.group] += 1
-        else:
+        elif (chunk.group, chunk.span_index) not in failed:
+            failed[chunk.group, chunk.span_index] = code
             failures.append(Failure(chunk.group, chunk.block_id, Reason.of(code)))
-            metrics.load_failed_blocks.labels(kinds[chunk.group], code.value).inc()
-    # A block cut in one value per KV head (rule 11) fails once, whichever of its heads failed.
-    failures = list({(f.group, f.block_id): f for f in failures[::-1]}.values())[::-1] if failures else failures
+    for (g, _), code in failed.items():
+        loaded_per_group[g] -= 1
+        metrics.load_failed_blocks.labels(kinds[g], code.value).inc()
     for g, kind in enumerate(kinds):
         if loaded_per_group[g]:
             metrics.loaded_blocks.labels(kind).inc(loaded_per_group[g])

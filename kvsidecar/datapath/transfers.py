@@ -251,7 +251,8 @@ class DataPath:
             # A span without a block cannot receive its value: the engine recomputes it.
             nowhere = [c for c in plan if c.block_id == NO_BLOCK]
             for c in nowhere:
-                self.metrics.load_failed_blocks.labels(kinds[c.group], Reason.NO_BLOCK.value).inc()
+                if c.part == 0:  # one block, however many values per KV head it is cut into (rule 11)
+                    self.metrics.load_failed_blocks.labels(kinds[c.group], Reason.NO_BLOCK.value).inc()
             planned.append((i, [c for c in plan if c.block_id != NO_BLOCK], nowhere))
         with _holding(memory):
             staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
