@@ -5,11 +5,12 @@
 
 One real daemon with its embedded Mooncake master. A GQA model (H KV heads of 128 fp16, 16-token blocks, K and V
 per layer, head-major like vLLM CPU's cache) is saved by a writer engine of TP `writer-tp`, each rank a client
-session of its own, all ranks at once; then read by:
+session of its own, all ranks at once, three times: per layout (share_across_tp off, the default), per KV head
+(share_across_tp true) and cut as the writer holds its heads (share_across_tp = writer-tp). Then read by:
 
-- a same-TP reader of the per-layout values (share_across_tp off: one value per block, today's default),
-- a same-TP reader of the shared values (one value per KV head),
-- a reader of TP `reader-tp` of the shared values (the cross-TP case),
+- a same-TP reader of the per-layout values (the baseline),
+- a same-TP reader and a reader of TP `reader-tp` of the per-head values,
+- a same-TP reader and a TP=1 reader of the values cut at the writer's TP,
 
 each reader's ranks loading at once, rounds interleaved. Prints the bytes written per distinct byte (1.0: each
 byte once) and the values per save, and the load rate of each reader in GiB/s with the ratio to the same-TP
@@ -38,7 +39,7 @@ HEAD_SIZE = 128
 class Rank:
     """One engine rank: its session and its KV cache (2 x layers tensors of (blocks, heads, 16, 128) fp16)."""
 
-    def __init__(self, target: str, tp: int, r: int, args: argparse.Namespace, share: bool, prefix: str) -> None:
+    def __init__(self, target: str, tp: int, r: int, args: argparse.Namespace, share: bool | int, prefix: str) -> None:
         heads = max(1, args.heads // tp)
         self.kv = shared_tensor((2 * args.layers, args.blocks, heads, BLOCK, HEAD_SIZE), torch.float16)
         self.client = SidecarClient.connect(
@@ -57,7 +58,7 @@ class Rank:
         self.client.close()
 
 
-def engine(target: str, tp: int, args: argparse.Namespace, share: bool, prefix: str) -> list[Rank]:
+def engine(target: str, tp: int, args: argparse.Namespace, share: bool | int, prefix: str) -> list[Rank]:
     return [Rank(target, tp, r, args, share, prefix) for r in range(tp)]
 
 
@@ -101,33 +102,35 @@ def main() -> None:
         daemon = Daemon(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
         try:
             rows = []
-            per_layout = engine(daemon.target, args.writer_tp, args, False, "layout")
-            shared = engine(daemon.target, args.writer_tp, args, True, "shared")
-            for ranks in (per_layout, shared):
+            w, shares = (
+                args.writer_tp,
+                {"per layout": False, "per KV head": True, f"cut at TP={args.writer_tp}": args.writer_tp},
+            )
+            writers = {name: engine(daemon.target, w, args, share, name) for name, share in shares.items()}
+            for ranks in writers.values():
                 for i, rank in enumerate(ranks):
                     rank.kv.copy_(torch.randn(rank.kv.shape, generator=torch.Generator().manual_seed(i)))
-            for name, ranks in (("per layout", per_layout), ("shared across TP", shared)):
+            for name, ranks in writers.items():
                 written, values = save_all(ranks, hashes, tokens)
                 rows.append((name, written / distinct, values / args.blocks))
             print(f"# across TP: GQA H={args.heads}, {args.layers} layers, {args.blocks} blocks of {BLOCK} tokens,")
-            print(f"# writer TP={args.writer_tp}, {distinct / (1 << 20):.0f} MiB of distinct KV\n")
+            print(f"# writer TP={w}, {distinct / (1 << 20):.0f} MiB of distinct KV\n")
             print("| writer | bytes written / distinct bytes | values per block |")
             print("| --- | --- | --- |")
             for name, ratio, per_block in rows:
-                print(f"| TP={args.writer_tp}, {name} | {ratio:.3f} | {per_block:g} |")
-            for ranks in (per_layout, shared):
+                print(f"| TP={w}, {name} | {ratio:.3f} | {per_block:g} |")
+            for ranks in writers.values():
                 for rank in ranks:
                     rank.close()
+            cut = f"cut at TP={w}"
             readers = {
-                f"TP={args.writer_tp} reader, per-layout values": engine(
-                    daemon.target, args.writer_tp, args, False, "layout"
+                f"TP={w} reader, per-layout values": engine(daemon.target, w, args, False, "per layout"),
+                f"TP={w} reader, per-head values": engine(daemon.target, w, args, True, "per KV head"),
+                f"TP={args.reader_tp} reader, per-head values": engine(
+                    daemon.target, args.reader_tp, args, True, "per KV head"
                 ),
-                f"TP={args.writer_tp} reader, shared values": engine(
-                    daemon.target, args.writer_tp, args, True, "shared"
-                ),
-                f"TP={args.reader_tp} reader, shared values": engine(
-                    daemon.target, args.reader_tp, args, True, "shared"
-                ),
+                f"TP={w} reader, values {cut}": engine(daemon.target, w, args, w, cut),
+                f"TP=1 reader, values {cut}": engine(daemon.target, 1, args, w, cut),
             }
             rates: dict[str, list[float]] = {name: [] for name in readers}
             for _ in range(args.rounds):

@@ -97,15 +97,16 @@ class SidecarClient:
         auth: TcpAuth | None = None,
         hit_alignment_tokens: int = 0,
         fine_grained_hits: bool | None = None,
-        share_across_tp: bool = False,
+        share_across_tp: bool | int = False,
     ) -> SidecarClient:
         """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
 
         Raises InvalidRequest for a bad layout (before any I/O) and DaemonUnavailable when no daemon answers within
         the connect deadline. A TCP listener needs `auth` (TLS, a client certificate and/or a token).
         `value_identity` says what the engine's bytes mean beyond the model's name (docs/values.md); engines whose
-        identities differ never share a value. `share_across_tp` stores the groups that allow it once for every TP
-        size (docs/placement.md rule 11): every session of the engine must say the same.
+        identities differ never share a value. `share_across_tp` stores the groups that allow it for every TP size
+        (docs/placement.md rule 11): True per KV head, an int N as a TP=N engine holds its heads; every session of
+        the engine must say the same.
         """
         spec = SessionSpec(
             model=model,
@@ -149,7 +150,7 @@ class SidecarClient:
 
         CPU tensors must come from `shared_tensor`; CUDA tensors are shared by CUDA IPC. The client keeps the tensors
         (and so their shared memory) alive, and registers them again on every re-opened session. head_dims[i] names
-        tensor i's KV-head dim (None: none): needed where a group stores one value per KV head (share_across_tp),
+        tensor i's KV-head dim (None: none): needed where a group's values are cut by KV heads (share_across_tp),
         and that dim must then be the outermost of a block.
         """
         method = "RegisterMemory"

@@ -153,14 +153,17 @@ class SessionSpec:
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
     value_identity: str = ""
-    # Store the groups that allow it once for every TP size (docs/placement.md rule 11); every session of an engine
-    # must agree, and CPU tensors of head-split groups must hold their KV heads as the outermost dim of a block.
-    share_across_tp: bool = False
+    # Store the groups that allow it for every TP size (docs/placement.md rule 11): True cuts attention values per
+    # KV head (any TP size reads them), an int N as a TP=N engine holds its heads (fewer, larger values; every TP
+    # size that shares must divide N). Every session of an engine must agree; the KV heads of head-split groups'
+    # tensors must be the outermost dim of a block.
+    share_across_tp: bool | int = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
-        if not isinstance(self.share_across_tp, bool):
-            raise InvalidRequest(f"share_across_tp must be a bool, got {self.share_across_tp!r}")
+        share = self.share_across_tp
+        if not isinstance(share, int) or (not isinstance(share, bool) and share < 1):
+            raise InvalidRequest(f"share_across_tp must be true, false or a TP size >= 1, got {share!r}")
         if self.role not in ROLES:
             raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
         for name in ("model", "cache_prefix", "value_identity"):
@@ -201,13 +204,21 @@ class SessionSpec:
             self.hit_alignment_tokens,
             self.fine_grained_hits,
             self.value_identity,
-            self.share_across_tp,
+            self.share_tp_size,
         )
 
-    def values_per_block(self) -> list[int]:
-        """Per group, the values this rank stores per block: one per KV head it holds where shared (rule 11), else 1."""
+    @property
+    def share_tp_size(self) -> int:
+        """The wire's share_tp_size: 0 (per layout), the KV heads (True: one value per head), or the TP size given."""
+        if isinstance(self.share_across_tp, bool):
+            return self.num_kv_heads if self.share_across_tp else 0
+        return self.share_across_tp
+
+    def cuts(self) -> list[tuple[int, int]]:
+        """Per group, (values this rank stores per block, its KV heads): more than one value where a group is cut by
+        KV heads to be shared across TP sizes (rule 11)."""
         layout = self.to_placement()
-        return [layout.values_per_block(g) for g in range(len(layout.groups))]
+        return [(layout.values_per_block(g), layout.kv_heads_of_rank()) for g in range(len(layout.groups))]
 
     @property
     def is_scheduler(self) -> bool:
@@ -229,5 +240,5 @@ class SessionSpec:
             client_name=self.client_name,
             hit_alignment_tokens=self.hit_alignment_tokens,
             fine_grained_hits=self.fine_grained_hits,
-            share_across_tp=self.share_across_tp,
+            share_tp_size=self.share_tp_size,
         )

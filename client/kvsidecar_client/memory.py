@@ -406,20 +406,21 @@ def describe_region(
 def describe_regions(
     memory: Sequence[tuple[torch.Tensor, Sequence[int], int | None]],
     fds: list[int] | None = None,
-    values_per_block: Sequence[int] = (),
+    cuts: Sequence[tuple[int, int]] = (),
 ) -> list[pb.MemoryRegion]:
     """The regions of one registration: each tensor's dense pieces in order; views of one CUDA storage share a handle,
     of one memfd one descriptor.
 
     Done once at registration: the daemon then moves every block as the same list of byte ranges, with no
     per-block work in Python on either side. fds (filled here) are the memfds to pass over the side socket first;
-    None: no side socket. Each entry is (tensor, its groups, its KV-head dim or None); values_per_block[g] > 1
-    (a group shared across TP sizes, one value per KV head: docs/placement.md rule 11) needs that dim.
+    None: no side socket. Each entry is (tensor, its groups, its KV-head dim or None); cuts[g] = (values per
+    block, the rank's KV heads) with more than one value (a group shared across TP sizes: docs/placement.md rule
+    11) needs that dim.
     """
     cuda_handles: dict[tuple[int, int], pb.CudaIpcHandle] = {}
     regions = []
     for index, (tensor, groups, head_dim) in enumerate(memory):
-        heads = _heads_of(index, tensor, groups, head_dim, values_per_block)
+        heads = _heads_of(index, tensor, groups, head_dim, cuts)
         pieces = dense_pieces(tensor)
         if heads > 1 and len(pieces) > 1:
             raise InvalidRequest(
@@ -440,23 +441,23 @@ def describe_regions(
 
 
 def _heads_of(
-    index: int, tensor: torch.Tensor, groups: Sequence[int], head_dim: int | None, values_per_block: Sequence[int]
+    index: int, tensor: torch.Tensor, groups: Sequence[int], head_dim: int | None, cuts: Sequence[tuple[int, int]]
 ) -> int:
-    """How many head-major parts a tensor's block is cut into: its groups' values per block, checked against it."""
-    wanted = {values_per_block[g] for g in groups if 0 <= g < len(values_per_block)} or {1}
+    """The KV heads a tensor's block holds head-major, where its groups cut values by heads (else 1), checked."""
+    wanted = {cuts[g] for g in groups if 0 <= g < len(cuts)} or {(1, 1)}
     if len(wanted) > 1:
         raise InvalidRequest(f"tensor {index} serves groups cut into different numbers of values per block")
-    n = wanted.pop()
-    if n == 1:
+    values, heads = wanted.pop()
+    if values == 1:
         return 1
     where = f"tensor {index} (shape {tuple(tensor.shape)}, stride {tensor.stride()})"
     if head_dim is None:
         raise InvalidRequest(
-            f"{where}: its group stores one value per KV head across TP sizes ({n} heads on this rank), so "
-            "register must be told which dim holds the KV heads (head_dims)"
+            f"{where}: its group stores {values} values per block across TP sizes, cut from this rank's {heads} KV "
+            "heads, so register must be told which dim holds the KV heads (head_dims)"
         )
-    if not 1 <= head_dim < tensor.dim() or tensor.shape[head_dim] != n:
-        raise InvalidRequest(f"{where}: dim {head_dim} should hold this rank's {n} KV heads")
+    if not 1 <= head_dim < tensor.dim() or tensor.shape[head_dim] != heads:
+        raise InvalidRequest(f"{where}: dim {head_dim} should hold this rank's {heads} KV heads")
     others = [d for d in range(1, tensor.dim()) if d != head_dim and tensor.shape[d] > 1]
     if any(tensor.stride(d) > tensor.stride(head_dim) for d in others):
         raise InvalidRequest(
@@ -464,4 +465,4 @@ def _heads_of(
             "as NHD), so one head's bytes are not one range; share values across TP sizes with a head-major layout "
             "(HND), or open the session without share_across_tp"
         )
-    return n
+    return heads

@@ -145,7 +145,7 @@ class SessionKeeper:
         """Register memory on the current session (opening one if needed) and remember it for every later session."""
         # Describe every region before talking to the daemon, so bad tensors fail here with their reason.
         fds: list[int] = []  # sealed memfds to pass first; refused later if there is no side socket
-        regions = describe_regions(memory, fds, self.spec.values_per_block())
+        regions = describe_regions(memory, fds, self.spec.cuts())
         if not self._lock.acquire(timeout=timeout):
             raise DeadlineExceeded("the session is being re-opened; try again", method="RegisterMemory")
         try:
@@ -247,7 +247,7 @@ class SessionKeeper:
         if self._memory is not None:
             try:
                 fds: list[int] = []  # sealed memfds to pass first; refused later if there is no side socket
-                regions = describe_regions(self._memory, fds, self.spec.values_per_block())
+                regions = describe_regions(self._memory, fds, self.spec.cuts())
                 self._registration = self._register_rpc(session, regions, fds, self.deadlines.register)
             except BaseException:
                 self._close_quietly(session)

@@ -27,7 +27,7 @@ def build_layout(
     value_identity: str = "",
     block_size: int = 16,
     hash_block_size: int = 16,
-    share_across_tp: bool = False,
+    share_tp_size: int = 0,
 ) -> Layout:
     """A layout seen from TP rank 0 (pcp and pp rank 0), from CLI-style arguments."""
     return Layout(
@@ -38,7 +38,7 @@ def build_layout(
         hash_block_size=hash_block_size,
         cache_prefix=cache_prefix,
         value_identity=value_identity,
-        share_across_tp=share_across_tp,
+        share_tp_size=share_tp_size,
     )
 
 
@@ -81,7 +81,7 @@ def describe(layout: Layout) -> dict[str, Any]:
         "hash_block_size": layout.hash_block_size,
         "fine_grained_hits": geo.fine_grained,
         "hit_alignment_tokens": geo.unit,
-        "share_across_tp": layout.share_across_tp,
+        "share_tp_size": layout.share_tp_size,
         "groups": groups,
     }
 
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             value_identity=args.value_identity,
             block_size=args.block_size,
             hash_block_size=args.hash_block_size or args.block_size,
-            share_across_tp=args.share_across_tp,
+            share_tp_size=args.kv_heads if args.share_across_tp == -1 else args.share_across_tp,
         )
         info = describe(layout)
         if args.reader_tp:
@@ -233,9 +233,13 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--hash-block-size", type=int, default=0, help="U, tokens per block hash (default: block size)")
     p.add_argument(
         "--share-across-tp",
-        action="store_true",
-        help="store shareable groups once for every TP size (docs/placement.md rule 11), as the connector's "
-        "share_across_tp does",
+        type=int,
+        nargs="?",
+        const=-1,
+        default=0,
+        metavar="N",
+        help="store shareable groups for every TP size (docs/placement.md rule 11), as the connector's "
+        "share_across_tp does: alone, one value per KV head; with N, values cut as a TP=N engine holds its heads",
     )
     p.add_argument(
         "--reader-tp",

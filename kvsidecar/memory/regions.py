@@ -55,22 +55,23 @@ class SessionMemory:
         regions: Sequence[RegionRequest],
         num_groups: int,
         opener: MappingOpener,
-        values_per_block: Sequence[int] = (),
+        cuts: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Check every region, then map each distinct piece of memory once; all or nothing.
 
-        values_per_block[g] > 1 cuts every block of group g into that many values, one per KV head the rank holds
-        (docs/placement.md rule 11): every region of the group must then declare that its block is that many
-        head-major parts.
+        cuts[g] = (values, heads): values > 1 cuts every block of group g into that many values, each of the same
+        number of the rank's `heads` KV heads (docs/placement.md rule 11): every region of the group must then
+        declare that its block is those `heads` head-major parts.
         """
-        parts = list(values_per_block) or [1] * num_groups
+        parts = [values for values, _ in cuts] or [1] * num_groups
+        heads = [h for _, h in cuts] or [1] * num_groups
         if not regions:
             raise BadRequest("RegisterMemory needs at least one region")
         if len(regions) > MAX_REGIONS:
             raise BadRequest(f"at most {MAX_REGIONS} regions per session, got {len(regions)}")
         for i, r in enumerate(regions):
             _check_region(i, r, num_groups)
-            _check_heads(i, r, parts)
+            _check_heads(i, r, parts, heads)
         covered = {g for r in regions for g in r.groups}
         missing = sorted(set(range(num_groups)) - covered)
         if missing:
@@ -182,21 +183,22 @@ def _common(values: Sequence[int]) -> int | None:
     return first if all(v == first for v in values) else None
 
 
-def _check_heads(i: int, spec: RegionRequest, parts: Sequence[int]) -> None:
-    """A region of a group cut per KV head must say its block is exactly that many head-major parts."""
+def _check_heads(i: int, spec: RegionRequest, parts: Sequence[int], heads: Sequence[int]) -> None:
+    """A region of a group cut by KV heads must say its block is the rank's heads, head-major, in equal parts."""
     for g in spec.groups:
         if not 0 <= g < len(parts) or parts[g] == 1:
             continue
-        n = parts[g]
-        if spec.heads != n:
+        n, h = parts[g], heads[g]
+        if spec.heads != h:
             said = f"declares {spec.heads} heads" if spec.heads else "declares no heads"
             raise BadRequest(
-                f"region {i}: group {g} stores one value per KV head across TP sizes, so each block of its regions "
-                f"must be {n} head-major parts (MemoryRegion.heads = {n}); this region {said} (a layout whose "
-                "heads are not the outermost dimension of a block cannot share values across TP sizes)"
+                f"region {i}: group {g} stores {n} values per block across TP sizes, each of {h // n} of this rank's "
+                f"{h} KV heads, so each block of its regions must be {h} head-major parts (MemoryRegion.heads = {h}); "
+                f"this region {said} (a layout whose heads are not the outermost dimension of a block cannot share "
+                "values across TP sizes)"
             )
-        if spec.block_bytes % n:
-            raise BadRequest(f"region {i}: block_bytes {spec.block_bytes} is not {n} equal head parts")
+        if spec.block_bytes % h:
+            raise BadRequest(f"region {i}: block_bytes {spec.block_bytes} is not {h} equal head parts")
 
 
 def _check_region(i: int, spec: RegionRequest, num_groups: int) -> None:

@@ -140,7 +140,7 @@ def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
         hit_alignment_tokens=unit,
         fine_grained_hits=fine,
         value_identity=req.engine.value_identity,
-        share_across_tp=req.share_across_tp,
+        share_tp_size=req.share_tp_size,
     )
     return _ROLES[req.role], layout, req.hash_bytes
 

@@ -187,7 +187,7 @@ class SessionRegistry:
                 regions,
                 len(session.layout.groups),
                 Opener(fds, shm_names=session.shm_names),
-                [len(g.own) for g in session.geometry.groups],
+                [(len(g.own), session.layout.kv_heads_of_rank()) for g in session.geometry.groups],
             )
         except BaseException:
             self._give_memfds(session, session.memfds_counted)

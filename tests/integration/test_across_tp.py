@@ -44,11 +44,17 @@ def kv_cache(heads: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def rank(
-    daemon: DaemonProcess, prefix: str, tp: int, r: int, groups: Sequence[ClientGroup] = ATTENTION, share: bool = True
+    daemon: DaemonProcess,
+    prefix: str,
+    tp: int,
+    r: int,
+    groups: Sequence[ClientGroup] = ATTENTION,
+    share: bool | int = True,
+    heads: int = HEADS,
 ) -> Iterator[tuple[SidecarClient, torch.Tensor]]:
-    kv = kv_cache(max(1, HEADS // tp))
+    kv = kv_cache(max(1, heads // tp))
     client = SidecarClient.connect(
-        daemon.target, model="org/Llama", layout=EngineLayout(tp_size=tp, tp_rank=r), num_kv_heads=HEADS,
+        daemon.target, model="org/Llama", layout=EngineLayout(tp_size=tp, tp_rank=r), num_kv_heads=heads,
         hash_block_size=16, groups=groups, cache_prefix=prefix, value_identity="w", share_across_tp=share,
     )  # fmt: skip
     try:
@@ -79,6 +85,23 @@ def test_a_tp1_prompt_is_a_byte_exact_hit_for_tp2_and_tp4_ranks(daemon, key_pref
                     assert reader.load(HASHES, [[4, 5, 6, 7]], hit) == set()
                     h = r * HEADS // tp  # the head this rank holds
                     assert torch.equal(head(mine, slice(4, 8), 0), head(kv, slice(0, 4), h)), (tp, r)
+
+
+def test_values_of_two_heads_shared_by_a_tp1_writer_and_tp2_readers(daemon, key_prefix):
+    # share_across_tp=2 with four heads: values of two heads (half as many keys as one per head).
+    with rank(daemon, key_prefix, 1, 0, share=2, heads=4) as (writer, kv):
+        fill(kv, 41)
+        assert writer.save(HASHES, [[0, 1, 2, 3]], TOKENS).result(timeout=60).written == BLOCKS * 2
+        for r in range(2):
+            with rank(daemon, key_prefix, 2, r, share=2, heads=4) as (reader, mine):
+                hit = reader.lookup(HASHES, TOKENS + 1)
+                assert hit.hit_tokens == TOKENS
+                assert reader.load(HASHES, [[4, 5, 6, 7]], hit) == set()
+                for h in range(2):
+                    assert torch.equal(head(mine, slice(4, 8), h), head(kv, slice(0, 4), 2 * r + h)), (r, h)
+        with pytest.raises(InvalidRequest, match="share_tp_size 2 stores values of 2 KV heads; a TP=4 rank holds 1"):
+            with rank(daemon, key_prefix, 4, 0, share=2, heads=4):
+                pass
 
 
 def test_tp2_writers_fill_a_tp1_readers_every_head(daemon, key_prefix):

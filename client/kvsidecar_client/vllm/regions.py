@@ -72,7 +72,7 @@ def regions_of(
 
 
 def head_dim_of(name: str, part: torch.Tensor, heads: int) -> int | None:
-    """The dim of a layer part holding the rank's KV heads, where its group stores one value per head (rule 11).
+    """The dim of a layer part holding the rank's KV heads, where its group's values are cut by heads (rule 11).
 
     vLLM's attention parts are (blocks, ...) over block_size tokens, the rank's KV heads and the head size, in the
     backend's order; the heads are the one dim of that size. None where nothing is cut (one head on this rank).
@@ -83,6 +83,6 @@ def head_dim_of(name: str, part: torch.Tensor, heads: int) -> int | None:
     if len(dims) != 1:
         raise InvalidRequest(
             f"layer {name}: cannot tell which dim of a cache part of shape {tuple(part.shape)} holds this rank's "
-            f"{heads} KV heads ({len(dims)} dims have that size); share_across_tp cannot cut its values per head"
+            f"{heads} KV heads ({len(dims)} dims have that size); share_across_tp cannot cut its values by head"
         )
     return dims[0]

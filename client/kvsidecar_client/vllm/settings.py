@@ -28,16 +28,18 @@ class ConnectorSettings:
     model_identity: stands for the model's fingerprint (config and weights sample) in the value identity, for
         deployments an operator vouches run the same model from checkpoints that sample differently (docs/values.md).
     timeouts: per-call deadlines in seconds, any of connect, register, save, lookup, load, control.
-    share_across_tp: store attention (by KV head) and MLA values once for every TP size, so deployments of other TP
-        sizes (a TP=4 and a TP=8 fleet, a wide prefill and a narrow decode) read each other's prompts
-        (docs/placement.md rule 11). Every deployment that should share must set it; Mamba state stays per layout.
+    share_across_tp: store attention and MLA values for every TP size, so deployments of other TP sizes (a TP=4 and
+        a TP=8 fleet, a wide prefill and a narrow decode) read each other's prompts (docs/placement.md rule 11):
+        true cuts attention values per KV head (any TP size), an int N as a TP=N engine holds its heads (fewer,
+        larger values; every TP size that shares must divide N). Every deployment that shares sets the same; Mamba
+        state stays per layout.
     """
 
     socket: str = field(default_factory=default_target)
     cache_prefix: str = ""
     model_identity: str = ""
     deadlines: Deadlines = field(default_factory=Deadlines)
-    share_across_tp: bool = False
+    share_across_tp: bool | int = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -64,8 +66,10 @@ class ConnectorSettings:
         except (TypeError, ValueError) as error:
             raise InvalidRequest(f"kv_connector_extra_config: bad timeouts {dict(timeouts)!r}: {error}") from None
         share = extra.get("share_across_tp", False)
-        if not isinstance(share, bool):
-            raise InvalidRequest(f"kv_connector_extra_config: share_across_tp must be true or false, got {share!r}")
+        if not isinstance(share, int) or (not isinstance(share, bool) and share < 1):
+            raise InvalidRequest(
+                f"kv_connector_extra_config: share_across_tp must be true, false or a TP size >= 1, got {share!r}"
+            )
         return cls(
             socket=socket, cache_prefix=prefix, model_identity=pinned, deadlines=deadlines, share_across_tp=share
         )

@@ -100,9 +100,10 @@ class WorkerSide:
                     "IPC without any change)"
                 )
         self._cuda = any(t.device.type == "cuda" for t in tensors)
-        cut = self._client.spec.values_per_block()
+        cuts = self._client.spec.cuts()
         head_dims = [
-            head_dim_of(name, t, max(cut[g] for g in gs)) for name, t, gs in zip(names, tensors, groups, strict=True)
+            head_dim_of(name, t, max(cuts[g][1] if cuts[g][0] > 1 else 1 for g in gs))
+            for name, t, gs in zip(names, tensors, groups, strict=True)
         ]
         return self._client.register(tensors, groups, head_dims=head_dims)
 

@@ -15,7 +15,6 @@ __all__ = [
     "GroupGeometry",
     "byte_classes",
     "head_shard",
-    "local_heads",
     "replication_factor",
     "span",
     "writes_chunk",
@@ -36,15 +35,6 @@ def head_shard(group: GroupSpec, tp_rank: int, tp_size: int, num_kv_heads: int) 
     if all(k.latent for k in group.members):
         return 0
     return tp_rank // max(1, tp_size // num_kv_heads)
-
-
-def local_heads(group: GroupSpec, tp_rank: int, tp_size: int, num_kv_heads: int) -> range:
-    """The KV heads (0..H-1) a rank holds of a group whose bytes are whole heads: H/T of them, or one when T > H."""
-    if not group.head_split:
-        raise ValueError(f"a {group.describe()} group is not split by KV head")
-    per_rank = max(1, num_kv_heads // tp_size)
-    first = head_shard(group, tp_rank, tp_size, num_kv_heads) * per_rank
-    return range(first, first + per_rank)
 
 
 def byte_classes(group: GroupSpec, par: Parallel, num_kv_heads: int) -> list[list[int]]:
@@ -88,8 +78,9 @@ class GroupGeometry:
     lookup_prefixes: tuple[str, ...]  # every namespace a boundary must exist in (rule 7)
     member: int = 0  # this rank's index in its replication set (rule 4)
     fine: bool = False  # hits may end inside this group's blocks
-    # Rule 11: the namespaces of this rank's values of one block, in the order its bytes are cut: one per KV head it
-    # holds for a group shared across TP sizes (each region's block is that many head-major parts), else (prefix,).
+    # Rule 11: the namespaces of this rank's values of one block, in the order its bytes are cut: one per group of
+    # KV heads it holds for a group shared across TP sizes (each region's block is that many head-major parts),
+    # else (prefix,).
     parts: tuple[str, ...] = ()
     shared: bool = False  # values any TP size reads (rule 11)
 
@@ -126,7 +117,7 @@ class Geometry:
         # A group shared across TP sizes has one namespace per KV head (its lookup needs every head) when its bytes
         # are whole heads; every other group one per replication set.
         namespaces = sum(
-            par.pcp_size * (heads if layout.shared(g) and spec.head_split else len(classes)) * par.pp_size
+            par.pcp_size * (layout.head_groups if layout.shared(g) and spec.head_split else len(classes)) * par.pp_size
             for g, (spec, classes) in enumerate(zip(layout.groups, partitions, strict=True))
         )
         if namespaces > MAX_NAMESPACES:
@@ -147,9 +138,9 @@ class Geometry:
 
             parts: tuple[str, ...] = ()
             if layout.shared(g) and spec.head_split:
-                # Rule 11: shard field = the KV head; no DCP or PCP here (Layout refuses them with sharing).
-                lookup = tuple(prefix(h, 0, 0, p) for h in range(heads) for p in range(par.pp_size))
-                parts = tuple(prefix(h, 0, 0, par.pp_rank) for h in local_heads(spec, par.tp_rank, par.tp_size, heads))
+                # Rule 11: shard field = which of the G head groups; no DCP or PCP here (Layout refuses them).
+                lookup = tuple(prefix(v, 0, 0, p) for v in range(layout.head_groups) for p in range(par.pp_size))
+                parts = tuple(prefix(v, 0, 0, par.pp_rank) for v in layout.values_of_rank(g, par.tp_rank))
                 own = parts[0]
             else:
                 # One namespace per replication set, on every PCP rank and pipeline stage; a set is named by the

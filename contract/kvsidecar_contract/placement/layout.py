@@ -201,9 +201,10 @@ class Layout:
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
     value_identity: str = ""  # the client's digest of what its bytes mean (docs/values.md)
-    # Rule 11: store shareable groups at a granularity no TP size decides (one value per KV head; the MLA latent
-    # once), so engines of other TP sizes read them. Every session of an engine, scheduler included, must agree.
-    share_across_tp: bool = False
+    # Rule 11: store shareable groups at a granularity no single TP size decides, so engines of other TP sizes read
+    # them: attention cut as a TP=share_tp_size engine holds its KV heads (any N >= H: one value per head), the MLA
+    # latent once. 0: per layout. Every session of an engine, scheduler included, must agree.
+    share_tp_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -234,11 +235,7 @@ class Layout:
         tp, heads = self.parallel.tp_size, self.num_kv_heads
         if any(g.gqa for g in self.groups) and heads % tp and tp % heads:
             raise InvalidLayout(f"num_kv_heads {heads} and tp_size {tp} must divide one another")
-        if self.share_across_tp and (self.parallel.dcp_size > 1 or self.parallel.pcp_size > 1):
-            raise InvalidLayout(
-                "share_across_tp is not defined under DCP or PCP: a rank's block then holds an interleaved slice of "
-                "the tokens, which another layout slices otherwise (open the session without it)"
-            )
+        self._check_sharing()
         u, unit = self.hash_block_size, self.hit_alignment_tokens
         if unit and (unit % u or unit > MAX_TOKENS):
             raise InvalidLayout(
@@ -249,6 +246,38 @@ class Layout:
                 f"fine-grained hits land on every hash block: hit_alignment_tokens must be hash_block_size {u}, "
                 f"got {unit}"
             )
+
+    def _check_sharing(self) -> None:
+        n = self.share_tp_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TP:
+            raise InvalidLayout(f"share_tp_size must be an int in [0, {MAX_TP}], got {n!r}")
+        if not n:
+            return
+        par = self.parallel
+        if par.dcp_size > 1 or par.pcp_size > 1:
+            raise InvalidLayout(
+                "sharing values across TP sizes is not defined under DCP or PCP: a rank's block then holds an "
+                "interleaved slice of the tokens, which another layout slices otherwise (open the session without it)"
+            )
+        if not any(self.shared(g) and spec.head_split for g, spec in enumerate(self.groups)):
+            return
+        heads, tp, parts = self.num_kv_heads, par.tp_size, self.head_groups
+        if heads % parts:
+            raise InvalidLayout(
+                f"share_tp_size {n} would cut {heads} KV heads into {parts} equal values: it must divide them "
+                f"(or be at least {heads}: one value per head)"
+            )
+        if not (parts % tp == 0 if tp <= parts else parts == heads):
+            raise InvalidLayout(
+                f"share_tp_size {n} stores values of {heads // parts} KV heads; a TP={tp} rank holds "
+                f"{max(1, heads // tp)}, not a whole number of them: every TP size that shares must divide "
+                f"share_tp_size (or use one value per head: share_tp_size >= {heads})"
+            )
+
+    @property
+    def head_groups(self) -> int:
+        """Rule 11: values one block of a shared head-split group is cut into across all ranks (H/G heads each)."""
+        return min(self.num_kv_heads, self.share_tp_size) if self.share_tp_size else 1
 
     def for_rank(self, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> Layout:
         """The same engine seen from another rank."""
@@ -274,18 +303,35 @@ class Layout:
 
     def shared(self, group: int) -> bool:
         """Whether the group's values are stored for every TP size (rule 11)."""
-        return self.share_across_tp and self.groups[group].shareable
+        return bool(self.share_tp_size) and self.groups[group].shareable
+
+    def values_of_rank(self, group: int, tp_rank: int) -> range:
+        """Rule 11: which of a shared head-split group's head_groups values a rank holds, in order.
+
+        A rank of T <= G holds G/T consecutive values; a rank of T > G (then G = H: one value per head) holds the
+        one head its replica set shares.
+        """
+        parts, tp = self.head_groups, self.parallel.tp_size
+        if tp <= parts:
+            per = parts // tp
+            return range(tp_rank * per, (tp_rank + 1) * per)
+        first = tp_rank // (tp // parts)
+        return range(first, first + 1)
 
     def values_per_block(self, group: int) -> int:
-        """Rule 11: values one block of the group makes on this rank: one per KV head it holds where shared by head."""
+        """Rule 11: values one block of the group makes on this rank: G/T where shared by KV head, else 1."""
         if not (self.shared(group) and self.groups[group].head_split):
             return 1
+        return len(self.values_of_rank(group, self.parallel.tp_rank))
+
+    def kv_heads_of_rank(self) -> int:
+        """KV heads one rank holds of ordinary attention: H/T, or one replicated head when T > H."""
         return max(1, self.num_kv_heads // self.parallel.tp_size)
 
     def group_value_id(self, group: int) -> str:
         """The value id of one group's keys: the session's, or without the TP size where the group is shared.
 
-        A shared group's value (one KV head of a block, or the MLA latent) has the same bytes at every TP size, so
+        A shared group's value (H/G KV heads of a block, or the MLA latent) has the same bytes at every TP size, so
         its id leaves T out and says how the value is cut; the other groups keep the session's id, T included.
         """
         if not self.shared(group):
@@ -298,7 +344,7 @@ class Layout:
             "num_kv_heads": self.num_kv_heads,
             "hash_block_size": self.hash_block_size,
             "parallel": ["any", par.pp_size, par.pcp_size, par.dcp_size],
-            "value": "kv_head" if g.head_split else "latent",
+            "value": f"kv_heads:{self.num_kv_heads // self.head_groups}" if g.head_split else "latent",
         }
         return value_id(self.value_identity, session)
 

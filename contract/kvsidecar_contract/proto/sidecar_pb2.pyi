@@ -76,7 +76,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., block_size: _Optional[int] = ..., window: _Optional[int] = ..., inner: _Optional[_Iterable[_Union[GroupKind, str]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name", "hit_alignment_tokens", "fine_grained_hits", "share_across_tp")
+    __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name", "hit_alignment_tokens", "fine_grained_hits", "share_tp_size")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -87,7 +87,7 @@ class OpenSessionRequest(_message.Message):
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     HIT_ALIGNMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINE_GRAINED_HITS_FIELD_NUMBER: _ClassVar[int]
-    SHARE_ACROSS_TP_FIELD_NUMBER: _ClassVar[int]
+    SHARE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine: EngineIdentity
     parallel: ParallelLayout
     num_kv_heads: int
@@ -98,8 +98,8 @@ class OpenSessionRequest(_message.Message):
     client_name: str
     hit_alignment_tokens: int
     fine_grained_hits: bool
-    share_across_tp: bool
-    def __init__(self, engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., num_kv_heads: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., hash_bytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., client_name: _Optional[str] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., share_across_tp: _Optional[bool] = ...) -> None: ...
+    share_tp_size: int
+    def __init__(self, engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., num_kv_heads: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., hash_bytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., client_name: _Optional[str] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., share_tp_size: _Optional[int] = ...) -> None: ...
 
 class GroupPlacement(_message.Message):
     __slots__ = ("replication_factor", "shard_id", "keys_per_boundary", "span_tokens", "shared_across_tp", "values_per_block")

@@ -292,10 +292,13 @@ def test_describe_regions_keeps_registration_order():
 def test_a_group_cut_per_kv_head_declares_its_heads_when_they_are_outermost():
     # vLLM CPU's (2, blocks, heads, block_size, head_size): after the K/V split each block is heads x (16 x 8).
     kv = shared_tensor((2, 4, 2, 16, 8), torch.float16, named=True)
-    regions = describe_regions([(kv[0], (0,), 1), (kv[1], (0,), 1)], values_per_block=[2])
+    regions = describe_regions([(kv[0], (0,), 1), (kv[1], (0,), 1)], cuts=[(2, 2)])
     assert [(r.heads, r.block_bytes) for r in regions] == [(2, 512), (2, 512)]
+    # Four heads cut in two values of two heads (share_across_tp 2 at TP=1 with H=4): the block holds 4 heads.
+    four = shared_tensor((2, 4, 4, 16, 8), torch.float16, named=True)
+    assert describe_regions([(four[0], (0,), 1)], cuts=[(2, 4)])[0].heads == 4
     # One head per rank (T >= H): nothing to cut, nothing declared.
-    assert describe_regions([(kv[0], (0,), None)], values_per_block=[1])[0].heads == 0
+    assert describe_regions([(kv[0], (0,), None)], cuts=[(1, 2)])[0].heads == 0
 
 
 @pytest.mark.parametrize(
@@ -309,4 +312,4 @@ def test_a_group_cut_per_kv_head_declares_its_heads_when_they_are_outermost():
 def test_a_group_cut_per_kv_head_refuses_what_cannot_be_cut(shape, head_dim, reason):
     kv = shared_tensor(shape, torch.float16, named=True)
     with pytest.raises(InvalidRequest, match=reason):
-        describe_regions([(kv[0], (0,), head_dim)], values_per_block=[2])
+        describe_regions([(kv[0], (0,), head_dim)], cuts=[(2, 2)])

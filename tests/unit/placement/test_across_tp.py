@@ -46,32 +46,40 @@ TOKENS = 64
 HASHES = [bytes([i + 1]) * 32 for i in range(TOKENS // 16)]
 
 
-def layout(group: GroupSpec, tp: int, heads: int, rank: int = 0) -> Layout:
+def layout(group: GroupSpec, tp: int, heads: int, rank: int = 0, share: int | None = None) -> Layout:
+    """The engine at TP `tp` seen from `rank`, sharing across TP sizes (by default one value per KV head)."""
     return Layout(
-        "org/M", (group,), Parallel(tp_size=tp, tp_rank=rank), heads, 16, value_identity="w", share_across_tp=True
-    )
+        "org/M", (group,), Parallel(tp_size=tp, tp_rank=rank), heads, 16, value_identity="w",
+        share_tp_size=heads if share is None else share,
+    )  # fmt: skip
 
 
-def value_bytes(group: GroupSpec, tp: int, heads: int, rank: int, part: int, parts: int) -> Hashable:
-    """What part `part` of `parts` of a rank's block holds, by the oracle: one head, the latent, or the rank's bytes."""
+def value_bytes(group: GroupSpec, tp: int, heads: int, rank: int, part: int, parts: int, shared: bool) -> Hashable:
+    """What part `part` of `parts` of a rank's block holds, by the oracle: its slice of the rank's heads (or the
+    latent, whole) where the group is shared; where it is not, bytes no other layout holds."""
     held = tuple(member_bytes(k, rank, tp, heads, 1) for k in group.members)
-    if parts == 1:
-        # A whole block: the same bytes for every TP size only where it is one head or the latent.
-        shared = all(h[0] == "latent" or (h[0] == "heads" and len(h[1]) == 1) for h in held)
-        return held if shared else (tp, rank, held)
-    assert all(h[0] == "heads" and len(h[1]) == parts for h in held), "only whole heads are cut"
-    return tuple(("heads", (h[1][part],), h[2]) for h in held)
+    if not shared:
+        return (tp, held)  # the ranks of one byte class hold these bytes at this TP size only
+    out = []
+    for h in held:
+        if h[0] == "heads":
+            k = len(h[1]) // parts
+            out.append(("heads", h[1][part * k : (part + 1) * k], h[2]))
+        else:
+            assert parts == 1, "only whole heads are cut"
+            out.append(h)
+    return tuple(out)
 
 
-def saved(group: GroupSpec, tp: int, heads: int) -> dict[str, Hashable]:
+def saved(group: GroupSpec, g: int, tp: int, heads: int, share: int | None = None) -> dict[str, Hashable]:
     """Every value the writer ranks store for a 64-token prompt, by key; each key written by one rank only."""
     out: dict[str, Hashable] = {}
     for r in range(tp):
-        geo = Geometry.of(layout(group, tp, heads, r))
+        geo = Geometry.of(layout(group, tp, heads, r, share))
         plan = save_plan(geo, HASHES, [[10 + i for i in range(len(HASHES))]], TOKENS)
         for c in plan.chunks:
             assert c.key not in out, f"{c.key} written twice (write volume must be one copy of each value)"
-            out[c.key] = value_bytes(group, tp, heads, r, c.part, c.parts)
+            out[c.key] = value_bytes(group, tp, heads, r, c.part, c.parts, SHARED[g])
     return out
 
 
@@ -79,29 +87,44 @@ def divisible(tp: int, heads: int) -> bool:
     return heads % tp == 0 or tp % heads == 0
 
 
+def compatible(tp: int, heads: int, share: int) -> bool:
+    """By hand: a rank holds whole values when T divides G = min(H, N), or when G = H (then any T, as vLLM allows)."""
+    groups = min(heads, share)
+    return groups % tp == 0 if tp <= groups else groups == heads
+
+
+SHARES = (None, 2)  # one value per KV head; values as a TP=2 engine holds its heads
 CASES = [
-    (g, h, w, r)
-    for g, h, w, r in itertools.product(range(len(GROUPS)), HEADS, TPS, TPS)
-    if (divisible(w, h) and divisible(r, h)) or not GROUPS[g].gqa
+    (g, h, n, w, r)
+    for g, h, n, w, r in itertools.product(range(len(GROUPS)), HEADS, SHARES, TPS, TPS)
+    if not GROUPS[g].gqa
+    or (divisible(w, h) and divisible(r, h) and (n is None or (compatible(w, h, n) and compatible(r, h, n))))
 ]
 
 
-@pytest.mark.parametrize(("g", "heads", "writer_tp", "reader_tp"), CASES)
-def test_a_reader_of_any_tp_size_loads_exactly_its_own_bytes_or_misses(g, heads, writer_tp, reader_tp):
+@pytest.mark.parametrize(("g", "heads", "share", "writer_tp", "reader_tp"), CASES)
+def test_a_reader_of_any_tp_size_loads_exactly_its_own_bytes_or_misses(g, heads, share, writer_tp, reader_tp):
     group = GROUPS[g]
-    written = saved(group, writer_tp, heads)
+    written = saved(group, g, writer_tp, heads, share)
     for r in range(reader_tp):
-        geo = Geometry.of(layout(group, reader_tp, heads, r))
+        geo = Geometry.of(layout(group, reader_tp, heads, r, share))
         probes = lookup_plan(geo, HASHES, TOKENS + 1).keys
         found = [k in written for k in probes]
         chunks = load_plan(geo, HASHES, [[20 + i for i in range(len(HASHES))]], TOKENS, (TOKENS,))
         if SHARED[g] or writer_tp == reader_tp:
             assert all(found), "every boundary is stored in every namespace the reader probes"
             for c in chunks:
-                assert written[c.key] == value_bytes(group, reader_tp, heads, r, c.part, c.parts)
+                assert written[c.key] == value_bytes(group, reader_tp, heads, r, c.part, c.parts, SHARED[g])
         else:
             assert not any(found), "another layout's values are never found"
             assert not any(c.key in written for c in chunks)
+
+
+@pytest.mark.parametrize(("heads", "share", "tp"), [(8, 2, 4), (8, 2, 8), (2, 1, 2), (8, 3, 1)])
+def test_a_tp_size_that_cannot_hold_whole_values_is_refused_with_the_reason(heads, share, tp):
+    with pytest.raises(InvalidLayout, match=f"share_tp_size {share}"):
+        layout(GroupSpec(Kind.FULL_ATTENTION, 16), tp, heads, 0, share)
+    Geometry.of(layout(GroupSpec(Kind.MLA, 16), tp, heads, 0, share))  # the latent is whole on every rank
 
 
 @pytest.mark.parametrize(("g", "heads", "tp"), [(g, h, t) for g in range(len(GROUPS)) for h in HEADS for t in TPS])
@@ -109,7 +132,7 @@ def test_each_distinct_value_is_written_once_and_shared_groups_store_one_per_hea
     group = GROUPS[g]
     if group.gqa and not divisible(tp, heads):
         pytest.skip("H and T must divide one another")
-    written = saved(group, tp, heads)  # asserts one writer per key
+    written = saved(group, g, tp, heads)  # asserts one writer per key
     blocks = TOKENS // 16
     if group.head_split:
         assert len(written) == blocks * heads
@@ -127,7 +150,8 @@ def test_exact_keys_of_a_gqa_group_shared_across_tp():
     group = GroupSpec(Kind.FULL_ATTENTION, 16)
     t1 = Geometry.of(layout(group, 1, 2))
     vid = layout(group, 1, 2).group_value_id(0)
-    assert vid == "06da60b16138ccc71a9c4fa0"
+    assert vid == "0e601577ff738b76f895d962"
+    assert layout(group, 1, 2, share=8).group_value_id(0) == vid  # N >= H: one value per head, whatever N
     assert t1.groups[0].own == (f"kvs1@@M~{vid}@s0.c0.d0.p0.g0", f"kvs1@@M~{vid}@s1.c0.d0.p0.g0")
     assert [Geometry.of(layout(group, 2, 2, r)).groups[0].own for r in (0, 1)] == [
         (f"kvs1@@M~{vid}@s0.c0.d0.p0.g0",),
@@ -137,6 +161,12 @@ def test_exact_keys_of_a_gqa_group_shared_across_tp():
     g3 = Geometry.of(layout(group, 4, 2, 3)).groups[0]
     assert (g3.own, g3.factor, g3.member) == ((f"kvs1@@M~{vid}@s1.c0.d0.p0.g0",), 2, 1)
     assert t1.groups[0].lookup_prefixes == g3.lookup_prefixes
+    # share_tp_size 2 with 8 heads: values of four heads; a TP=1 rank cuts its block in two, a TP=2 rank holds one.
+    coarse = layout(group, 1, 8, share=2)
+    cid = coarse.group_value_id(0)
+    assert Geometry.of(coarse).groups[0].own == (f"kvs1@@M~{cid}@s0.c0.d0.p0.g0", f"kvs1@@M~{cid}@s1.c0.d0.p0.g0")
+    assert Geometry.of(layout(group, 2, 8, 1, share=2)).groups[0].own == (f"kvs1@@M~{cid}@s1.c0.d0.p0.g0",)
+    assert Geometry.of(coarse).groups[0].keys_per_boundary == 2
     plan = save_plan(t1, HASHES[:1], [[7]], 16)
     assert [(c.key, c.block_id, c.part, c.parts) for c in plan.chunks] == [
         (f"kvs1@@M~{vid}@s0.c0.d0.p0.g0@{HASHES[0].hex()}", 7, 0, 2),
@@ -150,12 +180,11 @@ def test_the_shared_value_id_leaves_out_t_and_nothing_else():
     assert {layout(group, t, 8).group_value_id(0) for t in TPS} == {base.group_value_id(0)}
     assert base.group_value_id(0) != base.value_id  # never the per-layout namespace
     for other in (
-        Layout("org/M", (group,), Parallel(), 8, 16, value_identity="other", share_across_tp=True),
-        Layout("org/M", (group,), Parallel(), 4, 16, value_identity="w", share_across_tp=True),
-        Layout(
-            "org/M", (GroupSpec(Kind.FULL_ATTENTION, 32),), Parallel(), 8, 16, value_identity="w", share_across_tp=True
-        ),
-        Layout("org/M", (group,), Parallel(pp_size=2), 8, 16, value_identity="w", share_across_tp=True),
+        Layout("org/M", (group,), Parallel(), 8, 16, value_identity="other", share_tp_size=8),
+        Layout("org/M", (group,), Parallel(), 4, 16, value_identity="w", share_tp_size=4),
+        layout(group, 1, 8, share=2),  # values of four heads
+        Layout("org/M", (GroupSpec(Kind.FULL_ATTENTION, 32),), Parallel(), 8, 16, value_identity="w", share_tp_size=8),
+        Layout("org/M", (group,), Parallel(pp_size=2), 8, 16, value_identity="w", share_tp_size=8),
     ):
         assert other.group_value_id(0) != base.group_value_id(0)
     # Without the opt-in nothing changes: today's keys, T included.
@@ -167,7 +196,7 @@ def test_a_hybrid_shares_its_attention_and_keeps_its_state_per_layout():
     groups = (GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16))
 
     def geo(tp: int, r: int = 0) -> Geometry:
-        return Geometry.of(Layout("M", groups, Parallel(tp_size=tp, tp_rank=r), 2, 16, share_across_tp=True))
+        return Geometry.of(Layout("M", groups, Parallel(tp_size=tp, tp_rank=r), 2, 16, share_tp_size=8))
 
     one, two = geo(1), geo(2, 1)
     assert one.groups[0].lookup_prefixes == two.groups[0].lookup_prefixes
@@ -177,12 +206,12 @@ def test_a_hybrid_shares_its_attention_and_keeps_its_state_per_layout():
 
 @pytest.mark.parametrize(("pcp", "dcp"), [(1, 2), (2, 1), (2, 2)])
 def test_sharing_under_dcp_or_pcp_is_refused_with_the_reason(pcp, dcp):
-    with pytest.raises(InvalidLayout, match="share_across_tp is not defined under DCP or PCP"):
+    with pytest.raises(InvalidLayout, match="sharing values across TP sizes is not defined under DCP or PCP"):
         Layout(
             "M",
             (GroupSpec(Kind.MLA, 16),),
             Parallel(tp_size=2, pcp_size=pcp, dcp_size=dcp),
             1,
             16,
-            share_across_tp=True,
+            share_tp_size=8,
         )

@@ -134,7 +134,7 @@ def test_close_waits_for_store_calls_in_flight(segment):
 def test_a_group_cut_per_kv_head_gives_each_head_its_part_of_every_region(segment):
     # Rule 11: a block of 4 KV heads (head-major: 256 bytes each) in K and V; value 2 is head 2 of both.
     regions = [spec(segment, blocks=4), spec(segment, offset=4096, blocks=4)]
-    memory = SessionMemory([replace(r, heads=4) for r in regions], 1, SHM, [4])
+    memory = SessionMemory([replace(r, heads=4) for r in regions], 1, SHM, [(4, 4)])
     try:
         base = next(iter(memory.mappings.values())).address
         assert memory.value_bytes == [512]
@@ -149,11 +149,11 @@ def test_a_group_cut_per_kv_head_gives_each_head_its_part_of_every_region(segmen
 @pytest.mark.parametrize(
     ("heads", "block", "reason"),
     [
-        (0, 1024, r"must be 4 head-major parts \(MemoryRegion.heads = 4\); this region declares no heads"),
-        (2, 1024, "this region declares 2 heads"),
-        (4, 1022, "block_bytes 1022 is not 4 equal head parts"),
+        (0, 1024, r"must be 8 head-major parts \(MemoryRegion.heads = 8\); this region declares no heads"),
+        (2, 1024, "stores 4 values per block across TP sizes, each of 2 of this rank's 8 KV heads"),
+        (8, 1020, "block_bytes 1020 is not 8 equal head parts"),
     ],
 )
 def test_a_region_of_a_group_cut_per_head_must_declare_its_heads(segment, heads, block, reason):
     with pytest.raises(BadRequest, match=reason):
-        SessionMemory([replace(spec(segment, block=block), heads=heads)], 1, SHM, [4])
+        SessionMemory([replace(spec(segment, block=block), heads=heads)], 1, SHM, [(4, 8)])
