@@ -109,7 +109,8 @@ def test_settings_from_extra_config():
     )
     assert ConnectorSettings.from_extra_config(None).socket == default_target()
     assert default_target({"XDG_RUNTIME_DIR": "/run/user/7"}) == "unix:///run/user/7/kvsidecar/kvsidecar.sock"
-    assert ConnectorSettings.from_extra_config({"share_across_tp": True}).share_across_tp
+    assert ConnectorSettings.from_extra_config({"share_across_tp": True}).share_across_tp is True
+    assert ConnectorSettings.from_extra_config({"share_across_tp": 4}).share_across_tp == 4
     assert not ConnectorSettings.from_extra_config({}).share_across_tp
     for bad in (
         {"sokcet": "x"},
@@ -117,6 +118,7 @@ def test_settings_from_extra_config():
         {"timeouts": {"soon": 1}},
         {"cache_prefix": 3},
         {"share_across_tp": "yes"},
+        {"share_across_tp": 0},
     ):
         with pytest.raises(InvalidRequest):
             ConnectorSettings.from_extra_config(bad)
