@@ -1,11 +1,15 @@
 """Prefill/decode through the store, across TP sizes (docs/vllm.md "Prefill/decode"; docs/placement.md rule 11).
 
-A `kv_consumer` engine at TP=2 first answers the prompts cold (it never saves). A `kv_producer` engine at TP=1,
-another deployment with the same model and `share_across_tp`, then prefills them (it saves, never loads). The
-consumer's prefix cache is reset and its whole KV cache overwritten with garbage, and it answers again: every
-prompt is a hit from values the TP=1 engine wrote (each of its ranks loads its own KV head), and its greedy tokens
-equal its own cold run. The producer's blocks are held until their saves complete (delayed free: vLLM's
-request_finished is told so), so nothing it stored is torn.
+A `kv_consumer` engine first answers the prompts cold (it never saves). A `kv_producer` engine, another deployment
+with the same model and `share_across_tp`, then prefills them (it saves, never loads). The consumer's prefix cache
+is reset and its whole KV cache overwritten with garbage, and it answers again: every prompt is a hit from values
+the producer wrote, and its greedy tokens equal its own cold run. The producer's blocks are held until their saves
+complete (delayed free: vLLM's request_finished is told so), so nothing it stored is torn.
+
+- Llama: a TP=1 producer fills a TP=2 consumer (each consumer rank loads its own KV head of values the one TP=1
+  rank wrote).
+- The Mamba2 hybrid: its state is kept per TP size, so prefill and decode run the same TP size (TP=1 here): the
+  consumer loads the producer's attention blocks and Mamba states.
 """
 
 from __future__ import annotations
@@ -25,12 +29,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SHARE = {"share_across_tp": True}
 
 
-def test_a_tp1_producer_fills_a_tp2_consumer_through_the_store(model_root, daemon, tmp_path, monkeypatch):
-    model = MODELS["llama-gqa"]
+CASES = {"llama-gqa tp1->tp2": ("llama-gqa", 1, 2), "granitemoehybrid tp1->tp1": ("granitemoehybrid", 1, 1)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_producer_fills_a_consumer_through_the_store(case, model_root, daemon, tmp_path, monkeypatch):
+    name, producer_tp, consumer_tp = CASES[case]
+    model = MODELS[name]
     path = model.build(model_root)
     batch = prompts(model)
     prefix = f"pd{uuid.uuid4().hex[:10]}"
-    settings = parallel_settings(2, monkeypatch)
+    settings = parallel_settings(consumer_tp, monkeypatch)
     consumer = Engine.start(
         model, path, daemon.target, tmp_path, prefix=prefix, role="kv_consumer", extra=SHARE, **settings
     )
@@ -43,6 +52,7 @@ def test_a_tp1_producer_fills_a_tp2_consumer_through_the_store(model_root, daemo
         assert delta(after_cold, start, "kvsidecar_lookup_hit_tokens_total") == 0
 
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # one rank: vLLM binds it itself
+        assert producer_tp == 1
         producer = Engine.start(model, path, daemon.target, tmp_path, prefix=prefix, role="kv_producer", extra=SHARE)
         try:
             produced = producer.generate(batch)
@@ -63,10 +73,12 @@ def test_a_tp1_producer_fills_a_tp2_consumer_through_the_store(model_root, daemo
         assert hit > 0
         blocks = {kind: n - before.get(kind, 0.0) for kind, n in loaded_blocks(daemon).items()}
         assert blocks.get("full_attention", 0) > 0, blocks
+        if model.recurrent:
+            assert blocks.get("mamba", 0) > 0, f"no recurrent state was loaded: {blocks}"
         assert delta(after_warm, after_producer, "kvsidecar_load_failed_blocks_total") == 0
-        assert warm == cold, f"TP=2 outputs with TP=1's KV differ from its own cold ones ({hit:g} tokens loaded)"
+        assert warm == cold, f"{case}: the consumer's outputs with the producer's KV differ from its own cold ones"
         # Not asserted, only shown: TP=1 and TP=2 may round differently (all-reduce order) in a random model.
-        print(f"producer (TP=1) equal to consumer (TP=2): {sum(a == b for a, b in zip(produced, cold, strict=True))}")
+        print(f"{case}: producer equal to consumer cold in {sum(a == b for a, b in zip(produced, cold, strict=True))}")
     finally:
         if segments is not None:
             segments.close()
