@@ -7,6 +7,7 @@ equal KV in any engine, and a test can say exactly which bytes a warm load must 
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvsidecar_client import shared_tensor
+from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.vllm import KVSidecarConnector
 
 BLOCK = 16
@@ -375,6 +377,39 @@ class HeldLookups:
         while self.started < count:
             assert time.monotonic() < give_up, f"{self.started} lookups started, expected {count}"
             time.sleep(0.005)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+class HeldSaves:
+    """A daemon whose saves finish only when the test says so: each save the worker sends is carried out at once,
+    but the worker learns it is done only after `release()`. Until then vLLM must treat the blocks as still read."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._gate = threading.Event()
+        client = engine.worker.client
+        save_batch = client.save_batch
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            return {req_id: self._hold(job) for req_id, job in save_batch(*args, **kwargs).items()}
+
+        client.save_batch = held  # type: ignore[method-assign]
+
+    def _hold(self, job: SaveJob) -> SaveJob:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def finish() -> None:
+            if not self._gate.wait(120):
+                future.set_exception(AssertionError("a held save was never released"))
+                return
+            try:
+                future.set_result(job.result(120))
+            except BaseException as error:  # the save's own error, passed on as the worker would see it
+                future.set_exception(error)
+
+        threading.Thread(target=finish, name="held-save", daemon=True).start()
+        return SaveJob(future)
 
     def release(self) -> None:
         self._gate.set()
