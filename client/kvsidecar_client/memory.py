@@ -421,13 +421,11 @@ def describe_regions(
     regions = []
     for index, (tensor, groups, head_dim) in enumerate(memory):
         heads = _heads_of(index, tensor, groups, head_dim, cuts)
-        pieces = dense_pieces(tensor)
-        if heads > 1 and len(pieces) > 1:
-            raise InvalidRequest(
-                f"tensor {index} (shape {tuple(tensor.shape)}, stride {tensor.stride()}): its blocks are not one dense "
-                "range, so they cannot be cut into one value per KV head; share values across TP sizes only with "
-                "a layout whose blocks are dense and head-major"
-            )
+        if heads > 1:
+            assert head_dim is not None  # _heads_of refuses a cut without it
+            pieces = _head_major_pieces(index, tensor, head_dim)
+        else:
+            pieces = dense_pieces(tensor)
         for piece in pieces:
             region = describe_region(piece, groups, cuda_handles=cuda_handles, fds=fds)
             region.heads = heads if heads > 1 else 0
@@ -458,11 +456,41 @@ def _heads_of(
         )
     if not 1 <= head_dim < tensor.dim() or tensor.shape[head_dim] != heads:
         raise InvalidRequest(f"{where}: dim {head_dim} should hold this rank's {heads} KV heads")
-    others = [d for d in range(1, tensor.dim()) if d != head_dim and tensor.shape[d] > 1]
-    if any(tensor.stride(d) > tensor.stride(head_dim) for d in others):
+    return heads
+
+
+# At most this many pieces per block are made to bring a block's KV heads outermost (K and V of a block-outermost
+# layout: 2); more (a token-major layout: one piece per token) would make every value hundreds of tiny slices.
+MAX_OUTER_PIECES = 4
+
+
+def _head_major_pieces(index: int, tensor: torch.Tensor, head_dim: int) -> list[torch.Tensor]:
+    """Views of a tensor whose blocks are each one dense range with the KV heads outermost, in the order of the dims
+    split (a block-outermost [blocks, K|V, heads, ...] cache gives its K and its V), so one head's bytes of every
+    piece are one range; refused with the reason where that takes more than MAX_OUTER_PIECES pieces."""
+    where = f"tensor {index} (shape {tuple(tensor.shape)}, stride {tensor.stride()})"
+    outer = sorted(
+        (d for d in range(1, tensor.dim()) if d != head_dim and tensor.shape[d] > 1),
+        key=tensor.stride,
+        reverse=True,
+    )
+    outer = [d for d in outer if tensor.stride(d) > tensor.stride(head_dim)]
+    if math.prod(tensor.shape[d] for d in outer) > MAX_OUTER_PIECES:
         raise InvalidRequest(
             f"{where}: the KV heads (dim {head_dim}) are not the outermost dim of a block (a token-major layout such "
-            "as NHD), so one head's bytes are not one range; share values across TP sizes with a head-major layout "
-            "(HND), or open the session without share_across_tp"
+            "as NHD), so one head's bytes are many small ranges; share values across TP sizes with a head-major "
+            "layout (HND), or open the session without share_across_tp"
         )
-    return heads
+    pieces = [tensor]
+    for d in sorted(outer, key=tensor.stride, reverse=True):
+        # Selecting dim d of every piece; dims after it shift down by one in the pieces, and so does the head dim.
+        shift = sum(1 for e in outer if tensor.stride(e) > tensor.stride(d) and e < d)
+        pieces = [p.select(d - shift, i) for p in pieces for i in range(tensor.shape[d])]
+    for piece in pieces:
+        if not _block_is_dense(piece):
+            raise InvalidRequest(
+                f"{where}: its blocks do not split into dense ranges with the KV heads outermost (the heads are "
+                "outside the blocks, as in LHBNC or BHLNC); share values across TP sizes with a layout whose blocks "
+                "hold their heads (HND), or open the session without share_across_tp"
+            )
+    return pieces

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm_alloc import allocate, plan
 
+from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_client.memory import dense_pieces
 from kvsidecar_client.vllm import KVSidecarConnector
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
@@ -94,9 +95,38 @@ def _poll(connector: KVSidecarConnector, finished: set[str], want: str) -> None:
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_vllm_layout_round_trips_byte_for_byte(vllm_env, tiny_model, daemon, cache_prefix, name, layout):
+    round_trip(tiny_model, daemon, cache_prefix, name, layout)
+
+
+# Layouts whose blocks hold their KV heads, outermost once K and V are apart: attention values cut per KV head
+# (placement rule 11) are then one range of each region. Written by hand from vLLM's KVCacheLayout names.
+HEAD_MAJOR = {"LBHNC", "BLHNC"}
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+@pytest.mark.parametrize("name", ["full-h2", "sliding-h2", "full-h2+mamba", "mla"])  # the tiny model's 2 KV heads
+def test_sharing_across_tp_sizes_cuts_head_major_layouts_and_refuses_the_others(
+    vllm_env, tiny_model, daemon, cache_prefix, name, layout
+):
+    # MLA's latent is never cut (vLLM's MLAAttentionSpec is a FullAttentionSpec: tell it apart first).
+    cut = any(
+        isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) and not isinstance(s, MLAAttentionSpec)
+        for s in CONFIGS[name].values()
+    )
+    if cut and layout.name not in HEAD_MAJOR:
+        with pytest.raises(InvalidRequest, match="share values across TP sizes with a"):
+            round_trip(tiny_model, daemon, cache_prefix, name, layout, share=True)
+    else:
+        round_trip(tiny_model, daemon, cache_prefix, name, layout, share=True)
+
+
+def round_trip(tiny_model, daemon, cache_prefix, name, layout, *, share: bool = False) -> None:
+    """Save four blocks of vLLM's own caches for `layout`, load them into other blocks: byte for byte, nothing else
+    touched."""
     specs = CONFIGS[name]
     recurrent = any(isinstance(s, MambaSpec) for s in specs.values())
-    config = vllm_config(tiny_model, {"socket": daemon.target, "cache_prefix": cache_prefix}, recurrent=recurrent)
+    extra = {"socket": daemon.target, "cache_prefix": cache_prefix, "share_across_tp": share}
+    config = vllm_config(tiny_model, extra, recurrent=recurrent)
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     try:
         kv = plan(config, specs, layout, NUM_BLOCKS)

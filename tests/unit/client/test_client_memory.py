@@ -313,3 +313,14 @@ def test_a_group_cut_per_kv_head_refuses_what_cannot_be_cut(shape, head_dim, rea
     kv = shared_tensor(shape, torch.float16, named=True)
     with pytest.raises(InvalidRequest, match=reason):
         describe_regions([(kv[0], (0,), head_dim)], cuts=[(2, 2)])
+
+
+def test_a_block_outermost_cache_is_cut_into_its_k_and_its_v_to_bring_the_heads_outermost():
+    # vLLM's BLHNC: [blocks, K|V, heads, block_size, head_size]; the heads are outermost once K and V are apart.
+    kv = shared_tensor((4, 2, 2, 16, 8), torch.float16, named=True)
+    regions = describe_regions([(kv, (0,), 2)], cuts=[(2, 2)])
+    base = regions[0].offset
+    assert [(r.heads, r.block_bytes, r.block_stride, r.offset - base) for r in regions] == [
+        (2, 512, 1024, 0),
+        (2, 512, 1024, 512),
+    ]
