@@ -99,9 +99,9 @@ def test_values_of_two_heads_shared_by_a_tp1_writer_and_tp2_readers(daemon, key_
                 assert reader.load(HASHES, [[4, 5, 6, 7]], hit) == set()
                 for h in range(2):
                     assert torch.equal(head(mine, slice(4, 8), h), head(kv, slice(0, 4), 2 * r + h)), (r, h)
-        with pytest.raises(InvalidRequest, match="share_tp_size 2 stores values of 2 KV heads; a TP=4 rank holds 1"):
-            with rank(daemon, key_prefix, 4, 0, share=2, heads=4):
-                pass
+        refused = "share_tp_size 2 stores values of 2 KV heads; a TP=4 rank holds 1"
+        with pytest.raises(InvalidRequest, match=refused), rank(daemon, key_prefix, 4, 0, share=2, heads=4):
+            pass
 
 
 def test_tp2_writers_fill_a_tp1_readers_every_head(daemon, key_prefix):
