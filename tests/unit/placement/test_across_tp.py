@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Hashable
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from kvsidecar.testing.oracle import member_bytes
 from kvsidecar_contract.placement import (
@@ -22,10 +24,12 @@ from kvsidecar_contract.placement import (
     Kind,
     Layout,
     Parallel,
+    compute_hit,
     load_plan,
     lookup_plan,
     save_plan,
 )
+from support.ranks import all_ranks
 
 TPS = (1, 2, 4, 8)
 HEADS = (1, 2, 8)
@@ -215,3 +219,85 @@ def test_sharing_under_dcp_or_pcp_is_refused_with_the_reason(pcp, dcp):
             16,
             share_tp_size=8,
         )
+
+
+# ---- hypothesis: random hybrids, block sizes, windows, alignment and prompt lengths across two TP sizes ----
+
+SIMPLE = [Kind.FULL_ATTENTION, Kind.SLIDING_WINDOW, Kind.MLA, Kind.SLIDING_WINDOW_MLA, Kind.MAMBA]
+
+
+def expected_shared(spec: GroupSpec) -> bool:
+    """By hand from rule 11: no recurrent member, and either every member a latent kind or none."""
+    members = spec.members
+    if any(k is Kind.MAMBA for k in members):
+        return False
+    latent = [k in (Kind.MLA, Kind.SLIDING_WINDOW_MLA) for k in members]
+    return all(latent) or not any(latent)
+
+
+@st.composite
+def sharing_cases(draw: st.DrawFn) -> tuple[Layout, Layout, list[int]]:
+    u = draw(st.sampled_from([1, 2, 4]))
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        block = u * draw(st.sampled_from([1, 2, 3]))
+        if draw(st.booleans()):
+            inner = tuple(draw(st.lists(st.sampled_from(SIMPLE), min_size=1, max_size=2)))
+            window = u * draw(st.integers(1, 6)) if any(k.sliding for k in inner) else 0
+            groups.append(GroupSpec(Kind.UNIFORM, block, window, inner))
+        else:
+            kind = draw(st.sampled_from(SIMPLE))
+            groups.append(GroupSpec(kind, block, u * draw(st.integers(1, 6)) if kind.sliding else 0))
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    share = draw(st.sampled_from([heads, 16, 2, 4]))
+    usable = [t for t in TPS if divisible(t, heads) and compatible(t, heads, share)]
+    writer, reader = draw(st.sampled_from(usable)), draw(st.sampled_from(usable))
+    fine = draw(st.sampled_from([{}, {"fine_grained_hits": True}]))
+    pp = draw(st.sampled_from([1, 2]))
+
+    def at(tp: int) -> Layout:
+        return Layout(
+            "org/M", tuple(groups), Parallel(tp_size=tp, pp_size=pp), heads, u, value_identity="w",
+            share_tp_size=share, **fine,
+        )  # fmt: skip
+
+    saves = [x * u + x % u for x in draw(st.lists(st.integers(1, 30), min_size=1, max_size=2))]
+    return at(writer), at(reader), saves
+
+
+def held_bytes(layout: Layout, g: int, rank: int, part: int, parts: int) -> Hashable:
+    spec, par = layout.groups[g], layout.parallel
+    return value_bytes(spec, par.tp_size, layout.num_kv_heads, rank, part, parts, expected_shared(spec))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sharing_cases(), st.integers(1, 40))
+def test_random_layouts_read_across_tp_sizes_only_their_own_bytes(case, lookup_units):
+    writer, reader, saves = case
+    u = writer.hash_block_size
+    hashes = [(i + 1).to_bytes(32, "big") for i in range((max(saves) + u) // u)]
+    written: dict[str, set[Hashable]] = {}
+    for num_tokens in saves:
+        for (r, _c, p), geo in all_ranks(writer):
+            ids = [list(range(len(hashes) + 1)) for _ in writer.groups]
+            for chunk in save_plan(geo, hashes, ids, num_tokens).chunks:
+                held = held_bytes(writer, chunk.group, r, chunk.part, chunk.parts)
+                written.setdefault(chunk.key, set()).add((held, p, chunk.boundary))
+    for key, holders in written.items():
+        assert len(holders) == 1, f"{key} written with different bytes: {holders}"
+    lookup_tokens = min(lookup_units * u, max(saves) + u)
+    probe = hashes[: lookup_tokens // u]
+    ranks = all_ranks(reader)
+    plan = lookup_plan(ranks[0][1], probe, lookup_tokens)
+    hit = compute_hit(ranks[0][1], lookup_tokens, plan.stored([k in written for k in plan.keys]))
+    if writer.parallel.tp_size != reader.parallel.tp_size and not all(expected_shared(g) for g in reader.groups):
+        # A group kept per layout is never found by another TP size, and any length > 0 needs it: a miss.
+        assert hit.tokens == 0
+    event(f"hit > 0 across TP sizes: {hit.tokens > 0 and writer.parallel.tp_size != reader.parallel.tp_size}")
+    for (r, _c, p), geo in ranks:
+        ids = [list(range(len(probe) + 1)) for _ in reader.groups]
+        for chunk in load_plan(geo, probe, ids, hit.tokens, hit.tails):
+            assert chunk.key in written, chunk
+            assert written[chunk.key] == {
+                (held_bytes(reader, chunk.group, r, chunk.part, chunk.parts), p, chunk.boundary)
+            }
