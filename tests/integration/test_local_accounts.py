@@ -14,13 +14,13 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from support.localusers import shared_dir, throwaway_users
 from support.processes import DaemonProcess
 
 pytestmark = [
@@ -41,26 +41,15 @@ def good_steps() -> tuple[tuple[object, ...], ...]:
 @pytest.fixture(scope="module")
 def users():
     """Two throwaway system users, removed at the end."""
-    made = []
-    try:
-        for _ in range(2):
-            name = f"kvsl{secrets.token_hex(3)}"
-            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True, timeout=30)  # fmt: skip
-            made.append(name)
-        yield [pwd.getpwnam(n) for n in made]
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True, timeout=30)
+    with throwaway_users(2, "kvsl") as made:
+        yield made
 
 
 @pytest.fixture
 def sockdir():
     """A directory other uids can reach (pytest's tmp_path is private to root)."""
-    d = Path(tempfile.mkdtemp(prefix="kvsl-", dir="/tmp"))
-    d.chmod(0o777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shared_dir("kvsl-", 0o777) as d:
+        yield d
 
 
 def tenants(path: Path, a: pwd.struct_passwd, b: pwd.struct_passwd) -> Path:
