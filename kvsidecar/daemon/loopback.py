@@ -23,8 +23,9 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 __all__ = ["LoopbackGuard", "NOTHING"]
 
@@ -37,6 +38,7 @@ _IFF_UP = 0x1
 _NS_PATH = "/proc/thread-self/ns/net"
 
 NOTHING = "nothing"
+_T = TypeVar("_T")
 
 
 def _libc() -> ctypes.CDLL:
@@ -114,6 +116,19 @@ class LoopbackGuard:
             yield
         finally:
             _check(libc.setns(self._private_fd, CLONE_NEWNET), "setns(private network namespace)")
+
+    def inside(self, fn: Callable[..., _T]) -> Callable[..., _T]:
+        """fn, run in the private namespace whatever thread calls it (the calling thread stays there): for a thread
+        started in the host's namespace that still calls Mooncake, whose new connections must not go to the host's
+        loopback, where any local account could listen on the master's port."""
+        if not self.private:
+            return fn
+
+        def run(*args: Any) -> _T:
+            _check(_libc().setns(self._private_fd, CLONE_NEWNET), "setns(private network namespace)")
+            return fn(*args)
+
+        return run
 
     def leave(self) -> None:
         """Move the calling thread back to the host's namespace for good; the private one ends with its last user."""

@@ -118,13 +118,14 @@ class Daemon:
             raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
         if cfg.kv_events_endpoint:
-            # The store's lease-free location query lets the sweep see evictions.
+            # The store's lease-free location query lets the sweep see evictions. Its thread starts in the host's
+            # namespace (with the sockets routers reach), so its Mooncake calls are moved into the private one.
             self.kv_events = NodeEvents(
                 cfg.kv_events_endpoint,
                 cfg.kv_events_replay_endpoint,
                 cfg.kv_events_topic,
                 self.metrics.registry,
-                store.tiers,
+                self.loopback.inside(store.tiers),
             )
             try:
                 with self.loopback.host():

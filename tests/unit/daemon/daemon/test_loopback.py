@@ -60,6 +60,9 @@ def test_a_private_namespace_hides_its_loopback_and_host_makes_sockets_outside()
                     with socket.create_connection(("127.0.0.1", outside_port), timeout=5):
                         seen["host_loopback"] = "connected"
                 seen["back_ns"] = os.readlink(NS)
+                # A thread started in the host's namespace runs a wrapped call in the private one.
+                with guard.host():
+                    seen["wrapped_ns"] = in_thread(guard.inside(lambda: os.readlink(NS)))
                 # The test's own thread, in the host's namespace, cannot reach the private listener.
                 seen["from_host"] = in_host_thread(host_ns, seen["inside_port"])
             guard.leave()
@@ -69,6 +72,7 @@ def test_a_private_namespace_hides_its_loopback_and_host_makes_sockets_outside()
         seen = in_thread(body)
     assert seen["private"] and "private network namespace" in seen["description"], seen
     assert seen["inside_ns"] != host_ns and seen["child_ns"] == seen["inside_ns"] == seen["back_ns"], seen
+    assert seen["wrapped_ns"] == seen["inside_ns"], seen
     assert seen["host_ns"] == host_ns and seen["left_ns"] == host_ns, seen
     assert seen["own_loopback"] == seen["host_loopback"] == "connected", seen
     assert seen["from_host"] == "refused", seen
@@ -117,5 +121,6 @@ def test_no_guard_runs_host_bodies_in_place_and_leaves_nothing():
     before = os.readlink(NS)
     with guard.host():
         assert os.readlink(NS) == before
+    assert guard.inside(os.readlink)(NS) == before
     guard.leave()
     assert os.readlink(NS) == before
