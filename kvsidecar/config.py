@@ -126,6 +126,16 @@ class Config:
         ),
         parse=bool,
     )
+    trust_local_accounts: bool = setting(
+        False,
+        help=(
+            "with --tenants where nothing guards the embedded master's loopback ports (the daemon cannot make a "
+            "private network namespace: no CAP_SYS_ADMIN): run anyway, trusting every local account of this node "
+            "with the master (list, remove and place keys); a pod's own network namespace is such a node "
+            "(default: refuse)"
+        ),
+        parse=bool,
+    )
     metrics_address: str = setting(
         DEFAULT_METRICS_ADDRESS, help="host:port of the Prometheus /metrics endpoint (default: %(default)s)"
     )

@@ -6,6 +6,7 @@ Every part is built with what it needs, in dependency order; nothing is wired in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvsidecar import __version__
 from kvsidecar.config import Config, parse_address
 from kvsidecar.daemon import notify
+from kvsidecar.daemon.loopback import LoopbackGuard
 from kvsidecar.daemon.sockets import claim_socket, socket_gid
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError, FenceError
@@ -78,6 +80,7 @@ class Daemon:
         self.tenancy: Tenancy | None = None
         self.disk_tier: DiskTierNode | None = None
         self.kv_events: NodeEvents | None = None
+        self.loopback = LoopbackGuard.none("not started")
         self.failure = ""  # why the daemon stopped itself, if it did
 
     async def start(self) -> None:
@@ -96,6 +99,7 @@ class Daemon:
             self.tenancy = Tenancy(self.metrics, cfg.tenants, allow_shm_names=cfg.allow_shm_names)
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
+        self._guard_loopback(loop)
         if cfg.ssd_dir:
             # Claims the directory and replays its index (seconds for a full tier): off the event loop.
             self.disk_tier = await loop.run_in_executor(None, DiskTierNode, cfg, self.metrics, self._master_metrics_url)
@@ -108,21 +112,24 @@ class Daemon:
         store = self._store
         host, port = parse_address(cfg.metrics_address)
         try:
-            self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
+            with self.loopback.host():  # the sockets operators and engines reach are the host's
+                self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
         self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
         if cfg.kv_events_endpoint:
-            # The store's lease-free location query lets the sweep see evictions.
+            # The store's lease-free location query lets the sweep see evictions. Its thread starts in the host's
+            # namespace (with the sockets routers reach), so its Mooncake calls are moved into the private one.
             self.kv_events = NodeEvents(
                 cfg.kv_events_endpoint,
                 cfg.kv_events_replay_endpoint,
                 cfg.kv_events_topic,
                 self.metrics.registry,
-                store.tiers,
+                self.loopback.inside(store.tiers),
             )
             try:
-                self.kv_events.start()
+                with self.loopback.host():
+                    self.kv_events.start()
             except PublisherError as exc:
                 raise DaemonError(str(exc)) from None
         # Built in dependency order: the store's buffer registration into the sessions, both into the service.
@@ -154,15 +161,22 @@ class Daemon:
             listeners=self.fence.listeners_with_drops,
         )
         gid = socket_gid(cfg)
-        self._servers, self._health, self.addresses = create_servers(self.service, cfg, self.metrics, gid)
-        self.side = SideChannel(side_socket_path(cfg.socket), tenancy.tickets, sessions.accept_fds)
-        self.side.bind(cfg.socket_mode, gid)
-        self.side.start()
-        for server in self._servers:
-            await server.start()
+        with self.loopback.host():
+            self._servers, self._health, self.addresses = create_servers(self.service, cfg, self.metrics, gid)
+            self.side = SideChannel(side_socket_path(cfg.socket), tenancy.tickets, sessions.accept_fds)
+            self.side.bind(cfg.socket_mode, gid)
+            self.side.start()
+            for server in self._servers:
+                await server.start()
         # The event sockets are kvsidecar's own: recorded before the fence's first sweep, which would fence them.
         for role, address, allowed in self.kv_events.listeners() if self.kv_events else ():
             self.fence.add_own(role, address, allowed)
+        if self.master is not None:
+            # Not fenced (the master is another process); what guards them is the loopback guard.
+            guarded = "this daemon only (a private network namespace)"
+            allowed = guarded if self.loopback.private else f"local accounts (loopback): {self.loopback.description}"
+            self.fence.add_own("master-rpc", self.master.address, allowed)
+            self.fence.add_own("master-http", self.master.metrics_url.removeprefix("http://"), allowed)
         self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics)
         await self._check_store()
         self._housekeeping = asyncio.create_task(self._housekeep())
@@ -179,6 +193,36 @@ class Daemon:
             tenancy.table.describe(),
         )
         notify.ready(f"serving on {self.addresses[0]}")
+
+    def _guard_loopback(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Enter a private network namespace for the embedded master and Mooncake where this daemon can; where it
+        cannot, say so, and refuse tenants unless the operator trusts the node's local accounts."""
+        cfg = self.config
+        if not (self._owns_store and not cfg.master):
+            why = "external master" if cfg.master else "no embedded master"
+            self.loopback = LoopbackGuard.none(why)
+            return
+        if cfg.protocol != "tcp":
+            self.loopback = LoopbackGuard.none(f"--protocol {cfg.protocol} uses the host's network devices")
+        else:
+            self.loopback = LoopbackGuard.enter_private()
+        if self.loopback.private:
+            # Threads started from now on by this thread share its namespace; the loop's executor may hold older
+            # ones (started before the guard), so it gets a fresh one.
+            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kvsidecar-io"))
+            log.info("loopback guard: %s", self.loopback.description)
+            return
+        if cfg.tenants and not cfg.trust_local_accounts:
+            raise DaemonError(
+                f"refusing --tenants: nothing guards the embedded master's loopback ports ({self.loopback.description}"
+                "), so every local account of this node could list, remove and place any tenant's keys; give the "
+                "daemon CAP_SYS_ADMIN, or pass --trust-local-accounts if every local account is trusted (a pod's "
+                "own network namespace: see docs/security.md)"
+            )
+        log.warning(
+            "loopback guard: %s: every local account can reach the embedded master's RPC and HTTP ports",
+            self.loopback.description,
+        )
 
     def _master_admin_url(self) -> str:
         """The embedded master's admin HTTP address while it runs ("" without one)."""
@@ -317,6 +361,7 @@ class Daemon:
         self.fence.release()
         if self.master is not None:
             await loop.run_in_executor(None, self.master.stop)
+        self.loopback.leave()
         if self.disk_tier is not None:
             self.disk_tier.release()
         if self._httpd is not None:

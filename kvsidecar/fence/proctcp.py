@@ -90,11 +90,13 @@ def socket_inodes(links: Iterable[tuple[int, str]]) -> dict[int, int]:
 
 
 def read_tcp(pid: int | str = "self") -> list[TcpSocket]:
-    """Every TCP socket of the network namespace PID lives in."""
+    """Every TCP socket of the network namespace PID lives in; for "self", the calling thread's namespace (threads
+    of one process can live in different ones: the daemon's loopback guard)."""
     out: list[TcpSocket] = []
+    where = "thread-self" if pid == "self" else pid
     for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
-            with open(f"/proc/{pid}/net/{name}") as f:
+            with open(f"/proc/{where}/net/{name}") as f:
                 out += parse(f.read(), family)
         except FileNotFoundError:  # no IPv6 in this kernel
             continue

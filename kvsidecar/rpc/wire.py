@@ -59,26 +59,54 @@ class Undecodable:
         return f"the request is not a valid {self.message}: {self.error}"
 
 
-def sidecar_handlers(servicer: Any) -> grpc.GenericRpcHandler:
+class Oversized(Undecodable):
+    """A request body larger than its method's limit: refused before it is parsed (parsing runs on the event loop)."""
+
+    def __init__(self, message: str, size: int, most: int, why: str) -> None:
+        super().__init__(message, "")
+        self.size, self.most, self.why = size, most, why
+
+    def __str__(self) -> str:
+        return f"a {self.message} of {self.size} bytes: at most {self.most} per call ({self.why})"
+
+
+# A hash in a LookupRequest costs its bytes, a tag byte and a length byte (MAX_HASH_BYTES < 128); the other fields
+# (session id, token count, flags) fit in the slack many times over.
+_HASH_FIELD_OVERHEAD = 2
+_REQUEST_SLACK_BYTES = 64 << 10
+
+
+def lookup_request_bytes(max_hashes: int) -> int:
+    """The largest LookupRequest of at most max_hashes hashes (each at most MAX_HASH_BYTES long), with slack."""
+    return max_hashes * (MAX_HASH_BYTES + _HASH_FIELD_OVERHEAD) + _REQUEST_SLACK_BYTES
+
+
+def sidecar_handlers(
+    servicer: Any, max_request_bytes: dict[str, tuple[int, str]] | None = None
+) -> grpc.GenericRpcHandler:
     """The Sidecar service's handlers, parsing requests so that garbage reaches the servicer as Undecodable.
 
     gRPC's own deserializers raise before any servicer code runs, which clients see as UNKNOWN with no reason.
+    max_request_bytes maps a method to (most bytes, why): a larger request reaches it as Oversized, unparsed.
     """
     service = pb.DESCRIPTOR.services_by_name["Sidecar"]
+    limits = max_request_bytes or {}
     handlers = {}
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
-            request_deserializer=_lenient(request_cls),
+            request_deserializer=_lenient(request_cls, *limits.get(method.name, (0, ""))),
             response_serializer=response_cls.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def _lenient(cls: Any) -> Any:
+def _lenient(cls: Any, most: int = 0, why: str = "") -> Any:
     def parse(data: bytes) -> Any:
+        if most and len(data) > most:
+            return Oversized(cls.DESCRIPTOR.name, len(data), most, why)
         try:
             return cls.FromString(data)
         except DecodeError as exc:

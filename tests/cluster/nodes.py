@@ -43,6 +43,17 @@ def listener_filters(pid: int) -> list[tuple[proctcp.TcpSocket, bytes]]:
     return out
 
 
+class NamespaceOf(Node):
+    """The network namespace a process lives in (a daemon's private one: its loopback guard), entered by nsenter."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(f"pid {pid}", "")
+        self.pid = pid
+
+    def command(self, argv):  # type: ignore[no-untyped-def]
+        return ["nsenter", f"--net=/proc/{self.pid}/ns/net", *argv]
+
+
 def children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []

@@ -1,5 +1,9 @@
 """A default `kvsidecar serve` from outside: no listener of the daemon or its master answers another namespace.
 
+The daemon runs its master and Mooncake in a private network namespace (its loopback guard): from the host's
+namespace, loopback included, their ports are not there at all. Inside that namespace (entered with nsenter, as only
+root can) the fence still drops every packet to Mooncake's ports: two guards, each tested alone.
+
 The probe is the raw 24-byte READ header of Mooncake's transfer protocol; a bare Mooncake client shows it works
 (it reads the client's bytes back), so the same probe coming back empty from the daemon means the fence holds.
 """
@@ -10,13 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from netns import Fabric, Node, free_subnet, require_root
-from nodes import KVSIDECAR, Daemon, children, listener_filters
+from nodes import KVSIDECAR, Daemon, NamespaceOf, children, listener_filters
 
 from kvsidecar.fence import bpf, proctcp
 
@@ -58,12 +61,18 @@ def master_of(d: Daemon) -> int:
     return pid
 
 
-def segment_base(d: Daemon) -> int:
-    """The daemon's segment, as its master's admin HTTP tells anyone on this host (a registered buffer)."""
+def master_port(d: Daemon, flag: str) -> str:
     args = Path(f"/proc/{master_of(d)}/cmdline").read_bytes().split(b"\0")
-    port = next(a.split(b"=")[1].decode() for a in args if a.startswith(b"--metrics_port="))
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_segments_detail", timeout=5) as r:
-        (segment,) = json.loads(r.read())["segments"]
+    return next(a.split(b"=")[1].decode() for a in args if a.startswith(f"--{flag}=".encode()))
+
+
+def segment_base(d: Daemon) -> int:
+    """The daemon's segment (a registered buffer), as its master's admin HTTP tells whoever shares its namespace."""
+    url = f"http://127.0.0.1:{master_port(d, 'metrics_port')}/get_segments_detail"
+    fetch = f"import urllib.request, sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
+    out = NamespaceOf(d.pid).run([sys.executable, "-c", fetch], timeout=60)
+    assert out.returncode == 0, out.stderr
+    (segment,) = json.loads(out.stdout)["segments"]
     return int(segment["base_address"], 16)
 
 
@@ -120,22 +129,32 @@ def test_no_listener_answers_the_raw_read_from_another_namespace(daemon, fabric,
     # The fenced ports drop the SYNs (the peer times out); the loopback ones are not bound where it knocks.
     outcomes = {r["outcome"] for r in results}
     assert outcomes <= {"connect timed out", "connect failed: Connection refused"}, results
+
+
+def test_local_accounts_reach_none_of_the_ports_on_the_hosts_loopback(daemon):
+    """The master's and Mooncake's ports live in the daemon's private namespace: refused on this host's loopback."""
+    ports = sorted({s.local_port for pid in (daemon.pid, master_of(daemon)) for s, _ in proctcp.listeners(pid)})
+    results = probe(Node("", ""), segment_base(daemon), [f"127.0.0.1:{port}" for port in ports])
+    assert len(results) == len(ports) >= 4
+    assert all(r["outcome"] == "connect failed: Connection refused" and r["bytes"] == "" for r in results), results
+
+
+def test_inside_the_daemons_namespace_the_fence_still_drops_every_packet(daemon):
+    """Were the namespace shared, the fence would still hold Mooncake's ports: SYNs dropped and counted."""
+    ports = [s.local_port for s, program in listener_filters(daemon.pid) if program == DENY_ALL]
+    assert len(ports) == 2
+    results = probe(NamespaceOf(daemon.pid), segment_base(daemon), [f"127.0.0.1:{port}" for port in ports])
+    assert all(r["outcome"] == "connect timed out" and r["bytes"] == "" for r in results), results
     fenced = [item for item in daemon.status()["listeners"] if item["role"].startswith("mooncake-")]
     assert all(int(item["dropped_packets"]) > 0 for item in fenced), fenced
 
 
-def test_local_accounts_cannot_reach_the_fenced_ports_either(daemon):
-    ports = [s.local_port for s, program in listener_filters(daemon.pid) if program == DENY_ALL]
-    results = probe(Node("", ""), segment_base(daemon), [f"127.0.0.1:{port}" for port in ports])
-    assert all(r["outcome"] == "connect timed out" and r["bytes"] == "" for r in results), results
-
-
-def test_a_local_mooncake_client_mounting_a_segment_stops_the_daemon(tmp_path):
-    """A local account's client at the embedded master would receive some of the daemon's blocks: fail closed."""
+def test_a_mooncake_client_mounting_a_segment_in_the_daemons_namespace_stops_the_daemon(tmp_path):
+    """Behind the guard, only root entering the daemon's namespace can reach its master; a client there mounting a
+    segment would receive some of the daemon's blocks: the daemon fails closed."""
     d = Daemon(tmp_path, ["--segment-size", "16MiB", "--metrics-address", "127.0.0.1:0"]).start()
-    args = Path(f"/proc/{master_of(d)}/cmdline").read_bytes().split(b"\0")
-    rpc = next(a.split(b"=")[1].decode() for a in args if a.startswith(b"--rpc_port="))
-    rogue = subprocess.Popen(
+    rpc = master_port(d, "rpc_port")
+    rogue = NamespaceOf(d.pid).popen(
         [sys.executable, str(HERE / "exposed_client.py"), f"127.0.0.1:{rpc}"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -14,13 +14,13 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from support.localusers import shared_dir, throwaway_users
 from support.processes import DaemonProcess
 
 pytestmark = [
@@ -41,26 +41,15 @@ def good_steps() -> tuple[tuple[object, ...], ...]:
 @pytest.fixture(scope="module")
 def users():
     """Two throwaway system users, removed at the end."""
-    made = []
-    try:
-        for _ in range(2):
-            name = f"kvsl{secrets.token_hex(3)}"
-            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True, timeout=30)  # fmt: skip
-            made.append(name)
-        yield [pwd.getpwnam(n) for n in made]
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True, timeout=30)
+    with throwaway_users(2, "kvsl") as made:
+        yield made
 
 
 @pytest.fixture
 def sockdir():
     """A directory other uids can reach (pytest's tmp_path is private to root)."""
-    d = Path(tempfile.mkdtemp(prefix="kvsl-", dir="/tmp"))
-    d.chmod(0o777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shared_dir("kvsl-", 0o777) as d:
+        yield d
 
 
 def tenants(path: Path, a: pwd.struct_passwd, b: pwd.struct_passwd) -> Path:
@@ -282,5 +271,126 @@ def test_two_tenants_sharing_a_prefix_are_granted_by_what_keys_carry(users, sock
         assert own[1]["hit_blocks"] == 0 and own[2]["ok"], own
         after = engine(d, b, ("open", "shared"), ("hits", "b-secret", 4), model="org-b/Qwen")
         assert after[1]["hit_blocks"] == 4, after  # A's Reset removed none of B's values
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+# Another uid knocks on host:port targets; HTTP ones are asked for every key. One JSON list of outcomes.
+KNOCK = """
+import encodings.idna, json, os, socket, sys  # idna: imported while the interpreter is still readable
+uid, gid = int(sys.argv[2]), int(sys.argv[3])
+if uid >= 0:  # dropped here: the throwaway user may not be able to run this interpreter from where it is installed
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+out = []
+for target in json.loads(sys.argv[1]):
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as conn:
+            conn.sendall(b"GET /get_all_keys HTTP/1.0\\r\\n\\r\\n")
+            conn.settimeout(5)
+            try:
+                answer = conn.recv(64).decode("latin-1")
+            except OSError:
+                answer = ""
+            out.append({"target": target, "outcome": "connected", "answer": answer})
+    except TimeoutError:
+        out.append({"target": target, "outcome": "timed out"})
+    except OSError as exc:
+        out.append({"target": target, "outcome": exc.strerror})
+print(json.dumps(out))
+"""
+
+
+def knock(targets: list[str], user: pwd.struct_passwd | None = None, netns_of: int | None = None) -> list[dict]:
+    """Connect to each target as user (another local account), or as root inside a process's network namespace."""
+    ids = ("-1", "-1") if user is None else (str(user.pw_uid), str(user.pw_gid))
+    argv = [sys.executable, "-c", KNOCK, json.dumps(targets), *ids]
+    if netns_of is not None:
+        argv = ["nsenter", f"--net=/proc/{netns_of}/ns/net", *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def listener_info(d: DaemonProcess) -> dict[str, tuple[str, str]]:
+    """role -> (address, allowed), from kvsidecar_listener_info on the daemon's metrics endpoint."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(d.metrics_url, timeout=30) as reply:
+        text = reply.read().decode()
+    pattern = r'kvsidecar_listener_info\{address="([^"]*)",allowed="([^"]*)",role="([^"]*)"\}'
+    return {role: (address, allowed) for address, allowed, role in re.findall(pattern, text)}
+
+
+def loopback_targets(info: dict[str, tuple[str, str]]) -> list[str]:
+    """The master's ports and Mooncake's, on 127.0.0.1 and (for those bound on every address) on ::1."""
+    targets = []
+    for role in ("master-rpc", "master-http", "mooncake-transfer", "mooncake-handshake"):
+        address = info[role][0]
+        host, _, port = address.rpartition(":")
+        targets.append(f"127.0.0.1:{port}")
+        if host == "[::]":
+            targets.append(f"[::1]:{port}")
+    return targets
+
+
+def test_other_accounts_reach_neither_the_embedded_master_nor_mooncakes_ports(users, sockdir):
+    """Issue 22 item 5: the daemon's loopback guard (a private network namespace) keeps the master's RPC and HTTP
+    ports and Mooncake's transfer and handshake ports away from every other local account, while saves and loads go
+    on byte-exact; status (kvsidecar_listener_info) says what guards them."""
+    a, b = users
+    d = start(sockdir, a, b, "")  # no --master: the embedded one
+    try:
+        info = listener_info(d)
+        for role in ("master-rpc", "master-http"):
+            assert info[role][1] == "this daemon only (a private network namespace)", info
+        assert info["mooncake-transfer"][1] == info["mooncake-handshake"][1] == "nobody", info
+        assert "loopback guard: a private network namespace" in d.log()
+        targets = loopback_targets(info)
+        assert len(targets) == 5, targets  # the transfer port is dual-stack, the handshake port IPv4
+        seen = knock(targets, user=a)
+        assert all(item["outcome"] == "Connection refused" for item in seen), seen
+        # The same knock from inside the daemon's namespace (root only) reaches the master: the probe works, and
+        # what keeps the other account out is the namespace.
+        inside = knock(targets[:2], netns_of=d.pid)
+        assert all(item["outcome"] == "connected" for item in inside), inside
+        assert inside[1]["answer"].startswith("HTTP/1."), inside
+        assert_unharmed(d, engine(d, b, *good_steps()))
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_without_cap_sys_admin_tenants_need_trust_local_accounts_and_status_says_nothing_guards(users, sockdir):
+    """A daemon that cannot make a private network namespace (no CAP_SYS_ADMIN: setpriv drops it from the bounding
+    set) refuses --tenants with the reason unless --trust-local-accounts; then it runs, and says nothing guards the
+    master's loopback ports, which another local account indeed reaches."""
+    a, b = users
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is needed to start the daemon without CAP_SYS_ADMIN")
+    python = sockdir / "python-without-sys-admin"
+    python.write_text(f'#!/bin/sh\nexec setpriv --bounding-set -sys_admin {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    args = ("--tenants", str(tenants(sockdir / "tenants.toml", a, b)), "--socket-mode", "0666")
+    refused = DaemonProcess(sockdir, extra=args, python=python)
+    with pytest.raises(Exception, match="exited"):
+        refused.start()
+    log = refused.log()
+    assert "refusing --tenants: nothing guards the embedded master's loopback ports" in log, log
+    assert "Operation not permitted; a private network namespace needs CAP_SYS_ADMIN" in log, log
+    assert "--trust-local-accounts" in log, log
+
+    d = DaemonProcess(sockdir, extra=(*args, "--trust-local-accounts"), python=python).start()
+    try:
+        info = listener_info(d)
+        for role in ("master-rpc", "master-http"):
+            assert info[role][1].startswith("local accounts (loopback): nothing (unshare(CLONE_NEWNET)"), info
+        assert "loopback guard: nothing" in d.log()
+        seen = knock(loopback_targets(info)[:2], user=a)
+        assert [item["outcome"] for item in seen] == ["connected", "connected"], seen
+        assert seen[1]["answer"].startswith("HTTP/1."), seen
+        assert_unharmed(d, engine(d, b, *good_steps()))
     finally:
         assert d.stop() == 0, d.log()

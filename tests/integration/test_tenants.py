@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from support.localusers import shared_dir, throwaway_users
 from support.processes import DaemonProcess
 
 pytestmark = [
@@ -35,26 +34,15 @@ ENGINE = Path(__file__).resolve().parents[1] / "support" / "tenant_engine.py"
 @pytest.fixture(scope="module")
 def users():
     """Two throwaway system users, removed at the end."""
-    made = []
-    try:
-        for _ in range(2):
-            name = f"kvst{secrets.token_hex(3)}"
-            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True, timeout=30)  # fmt: skip
-            made.append(name)
-        yield [pwd.getpwnam(n) for n in made]
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True, timeout=30)
+    with throwaway_users(2, "kvst") as made:
+        yield made
 
 
 @pytest.fixture
 def sockdir():
     """A directory other uids can reach (pytest's tmp_path is private to root)."""
-    d = Path(tempfile.mkdtemp(prefix="kvst-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shared_dir("kvst-", 0o755) as d:
+        yield d
 
 
 def tenants_file(path: Path, a: pwd.struct_passwd, b: pwd.struct_passwd, *, b_budget: str = "", a_prefix="team-a*"):

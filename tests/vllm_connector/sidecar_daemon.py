@@ -84,10 +84,13 @@ class Daemon(processes.Daemon):
             "sys.exit(0 if all(c.name == 'OK' for c in codes) else f'remove: {codes}')\n"
         )
         master = json.loads(self.status().stdout)["master_address"]
+        # Behind the daemon's loopback guard its master is reachable only from the daemon's network namespace.
+        ns = f"/proc/{self.pid}/ns/net"
+        enter = ["nsenter", f"--net={ns}"] if os.readlink(ns) != os.readlink("/proc/self/ns/net") else []
         with MooncakeEnv(self.workdir) as env:
             subprocess.run(
-                [self.python, "-c", script, master, *keys], env=env.child_env(native=False), check=True, timeout=60,
-                capture_output=True,
+                [*enter, self.python, "-c", script, master, *keys], env=env.child_env(native=False), check=True,
+                timeout=60, capture_output=True,
             )  # fmt: skip
 
 
