@@ -478,9 +478,8 @@ def chat_passes(
         finally:
             server.stop()
         del passes[label]["tokens"]
-        passes[label]["store_hit_tokens"] = after.get("kvsidecar_lookup_hit_tokens_total", 0.0) - before.get(
-            "kvsidecar_lookup_hit_tokens_total", 0.0
-        )
+        for name in ("kvsidecar_lookup_hit_tokens_total", "kvsidecar_loaded_bytes_total"):
+            passes[label][name] = after.get(name, 0.0) - before.get(name, 0.0)
     passes["setup"] = {"system": system_tokens, "user": user_tokens, "clients": clients, "requests_each": each}
     return passes
 
@@ -517,15 +516,16 @@ def render(result: dict[str, Any]) -> str:
     )
     lines.append("")
     lines.append(
-        "| prompt tokens | warm / cold | warm / vLLM prefix cache | cold (A) s | vLLM alone cold (C) s "
-        "| warm from store (B) s | vLLM prefix cache (C) s | prefix cache, connector on (B) s |"
+        "| prompt tokens | warm / cold | warm / vLLM prefix cache | warm / B's own prefix cache | cold (A) s "
+        "| vLLM alone cold (C) s | warm from store (B) s | vLLM prefix cache (C) s | prefix cache, connector on (B) s |"
     )
-    lines.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, row in result["ttft"].items():
         cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
+        own = median(row["warm_prefix_cache"])
         lines.append(
-            f"| {n} | {warm / cold:.3f}x | {warm / limit:.2f}x | {cold:.3f} | {median(row['plain_cold']):.3f} "
-            f"| {warm:.3f} | {limit:.3f} | {median(row['warm_prefix_cache']):.3f} |"
+            f"| {n} | {warm / cold:.3f}x | {warm / limit:.2f}x | {warm / own:.2f}x | {cold:.3f} "
+            f"| {median(row['plain_cold']):.3f} | {warm:.3f} | {limit:.3f} | {own:.3f} |"
         )
     lines.append("")
     miss = result["miss"]
@@ -592,6 +592,13 @@ def render_chat(chat: dict[str, Any]) -> list[str]:
     for key, label in CHAT_PASSES.items():
         p50, p99, rate = chat_figures(chat[key])
         lines.append(f"| {label} | {p50:.3f} | {p99:.3f} | {rate:.1f} | {p50 / base[0]:.2f}x | {rate / base[2]:.2f}x |")
+    if "kvsidecar_loaded_bytes_total" in chat["connector_restarted"]:
+        loaded = [chat[k]["kvsidecar_loaded_bytes_total"] / 2**20 for k in ("connector", "connector_restarted")]
+        lines.append("")
+        lines.append(
+            f"Loaded from the store: {loaded[0]:.0f} MiB by the first connector server, {loaded[1]:.0f} MiB by the "
+            "restarted one."
+        )
     return lines
 
 
@@ -602,7 +609,7 @@ def result_lines(result: dict[str, Any]) -> list[str]:
         cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
         lines.append(
             f"RESULT serving {n} tokens: TTFT warm/cold {warm / cold:.3f}x, warm/prefix-cache {warm / limit:.2f}x "
-            f"({warm:.3f} s, {cold:.3f} s, {limit:.3f} s)"
+            f"(B's own: {warm / median(row['warm_prefix_cache']):.2f}x; {warm:.3f} s, {cold:.3f} s, {limit:.3f} s)"
         )
     miss = result["miss"]
     lines.append(f"RESULT serving miss overhead: {median(miss['connector']) / median(miss['plain']):.3f}x throughput")
