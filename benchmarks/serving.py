@@ -160,20 +160,12 @@ class Prompts:
 
 
 def set_environment(device: str, cache: Path) -> None:
-    """vLLM offline, quiet, with caches of its own; read at import and engine start, so set first."""
-    values = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "HF_HOME": str(cache / "hf"),
-        "XDG_CACHE_HOME": str(cache / "xdg"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    if device == "cpu":
-        values["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB per engine, in /dev/shm with the connector
-    for name, value in values.items():
-        os.environ.setdefault(name, value)
+    """vLLM offline, quiet, with caches of its own (tests/vllm_real's); read at import and engine start, so set first.
+    A CPU engine's KV cache: 2 GiB."""
+    sys.path[:0] = [str(p) for p in TESTS if str(p) not in sys.path]
+    from environment import set_vllm_environment
+
+    set_vllm_environment(cache, cpu_kv_cache_gib=2 if device == "cpu" else None)
 
 
 def kv_transfer(socket: str, prefix: str) -> dict[str, Any]:
@@ -346,7 +338,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work or tempfile.mkdtemp(prefix="kvsidecar-serving-"))
     work.mkdir(parents=True, exist_ok=True)
     set_environment(args.device, work / "cache")
-    sys.path[:0] = [str(p) for p in TESTS]
     import vllm
     from models import VOCAB
     from sidecar_daemon import Daemon

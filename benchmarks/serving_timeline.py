@@ -103,7 +103,6 @@ def main() -> int:
     work = Path(os.environ.get("TIMELINE_WORK", "/tmp/kvsidecar-serving-timeline"))
     work.mkdir(parents=True, exist_ok=True)
     serving.set_environment("cpu", work / "cache")
-    sys.path[:0] = [str(p) for p in serving.TESTS]
     from models import VOCAB
     from sidecar_daemon import Daemon
 
