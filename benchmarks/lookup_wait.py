@@ -30,7 +30,8 @@ LENGTHS = (1024, 16384, 65536)
 ROUNDS = 10
 ARRIVALS = 8
 ARRIVAL_TOKENS = 16384
-# (daemon lookup threads, lookups of one account at once): the default, then an account allowed more of them.
+# (daemon lookup threads, lookups of one account at once): the default before issue 23 (2, 1), and the default now
+# (4, 2) among others.
 CONFIGS = ((2, 1), (2, 2), (4, 2), (4, 4))
 
 
