@@ -166,6 +166,11 @@ def set_environment(device: str, cache: Path) -> None:
     from environment import set_vllm_environment
 
     set_vllm_environment(cache, cpu_kv_cache_gib=2 if device == "cpu" else None)
+    if device == "cpu":
+        # vLLM CPU's automatic binding keeps a core for the scheduler's process, two with a kv_transfer_config; on
+        # 2 cores the latter falls back to both, so an engine with the connector got 2 OpenMP threads and one
+        # without got 1 (1.6-1.7x apart, 2026-12-02). Every engine and server here gets the same cores.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
 
 
 def kv_transfer(socket: str, prefix: str) -> dict[str, Any]:
