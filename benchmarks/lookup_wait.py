@@ -6,10 +6,16 @@ The bench's lookup layout (T=8, [mla, full_attention, mamba], 16-token blocks, e
 one daemon from the main venv, 10 rounds per length after 2 warm-ups, both calls in each round, answers checked:
 
     flock /tmp/kvsidecar-heavy.lock .venv/bin/python benchmarks/lookup_wait.py
+    flock /tmp/kvsidecar-heavy.lock .venv/bin/python benchmarks/lookup_wait.py --arrivals
+
+`--arrivals`: what the daemon's --lookups-per-account does to one vLLM scheduler (one uid: one account) when
+ARRIVALS requests arrive in one step: their lookups started at once (the client runs 4 side by side), the time until
+each is answered, with the daemon's lookup threads and an account's share of them set as in each of CONFIGS.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import statistics
 import sys
 import tempfile
@@ -22,9 +28,53 @@ from kvsidecar_bench.shapes import BLOCK_TOKENS, hashes_for
 
 LENGTHS = (1024, 16384, 65536)
 ROUNDS = 10
+ARRIVALS = 8
+ARRIVAL_TOKENS = 16384
+# (daemon lookup threads, lookups of one account at once): the default before issue 23 (2, 1), and the default now
+# (4, 2) among others.
+CONFIGS = ((2, 1), (2, 2), (4, 2), (4, 4))
+
+
+def arrivals() -> int:
+    """ARRIVALS lookups of one scheduler started at once, per daemon config: when the first and the last answer."""
+    for workers, per_account in CONFIGS:
+        work = Path(tempfile.mkdtemp(prefix="kvsidecar-lookup-arrivals-"))
+        flags = ("--lookup-workers", str(workers), "--lookups-per-account", str(per_account))
+        daemon = Daemon(work, session_ttl=None, segment_size="512MiB", local_buffer_size=None, log_level="warning",
+                        extra=flags)  # fmt: skip
+        daemon.start()
+        try:
+            prompts = [hashes_for(f"arrivals/{i}", ARRIVAL_TOKENS // BLOCK_TOKENS) for i in range(ARRIVALS)]
+            for hashes in prompts:
+                _populate(daemon, hashes, ARRIVAL_TOKENS)
+            first, last = [], []
+            with _client(daemon, 0, "scheduler") as scheduler:
+                for i in range(ROUNDS + 2):
+                    t0 = time.perf_counter()
+                    answered: list[float] = []
+                    futures = [scheduler.lookup_async(h, ARRIVAL_TOKENS + 1, timeout=60) for h in prompts]
+                    for future in concurrent.futures.as_completed(futures):
+                        if not future.result().hit_tokens:
+                            print(f"FAIL: a stored prompt missed: {future.result()}", file=sys.stderr)
+                            return 1
+                        answered.append(time.perf_counter() - t0)
+                    if i >= 2:
+                        first.append(answered[0])
+                        last.append(answered[-1])
+            print(
+                f"{workers} lookup threads, {per_account} per account: {ARRIVALS} x {ARRIVAL_TOKENS}-token lookups "
+                f"started at once; first answer p50 {statistics.median(first) * 1e3:.1f} ms, last p50 "
+                f"{statistics.median(last) * 1e3:.1f} ms (max {max(last) * 1e3:.1f})",
+                flush=True,
+            )
+        finally:
+            daemon.stop()
+    return 0
 
 
 def main() -> int:
+    if "--arrivals" in sys.argv[1:]:
+        return arrivals()
     work = Path(tempfile.mkdtemp(prefix="kvsidecar-lookup-wait-"))
     daemon = Daemon(work, session_ttl=None, segment_size="256MiB", local_buffer_size=None, log_level="warning")
     daemon.start()

@@ -24,14 +24,17 @@ whose model builder and daemon starter this uses.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
+import math
 import os
 import platform
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+SETTLE = 3.0  # seconds a fresh engine is left alone before its first measured request
 TESTS = (REPO / "tests" / "vllm_real", REPO / "tests" / "vllm_connector")
 
 
@@ -59,6 +63,7 @@ class Preset:
     miss_length: int
     miss_rounds: int
     max_tokens: int  # greedy tokens per request (compared cold against warm)
+    chat: tuple[int, int, int, int]  # the OpenAI-server workload: system prompt, user message, clients, requests each
     segment: str = "2GiB"  # the daemon's store: every prompt of the run stays in it (no eviction)
     llm: dict[str, Any] = field(default_factory=dict)
 
@@ -82,6 +87,7 @@ PRESETS = {
         miss_length=1000,
         miss_rounds=5,
         max_tokens=16,
+        chat=(2000, 200, 4, 3),
     ),
     # A check that the bench runs end to end (seconds per engine), not a measurement.
     "smoke": Preset(
@@ -97,6 +103,7 @@ PRESETS = {
         miss_length=200,
         miss_rounds=1,
         max_tokens=8,
+        chat=(200, 40, 2, 1),
         segment="256MiB",
     ),
     # One GPU: a bigger model and longer prompts, each engine in a quarter of the GPU's memory.
@@ -113,6 +120,7 @@ PRESETS = {
         miss_length=2000,
         miss_rounds=5,
         max_tokens=16,
+        chat=(8000, 400, 16, 4),
         segment="32GiB",
         llm={"gpu_memory_utilization": 0.25},
     ),
@@ -152,20 +160,28 @@ class Prompts:
 
 
 def set_environment(device: str, cache: Path) -> None:
-    """vLLM offline, quiet, with caches of its own; read at import and engine start, so set first."""
-    values = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "HF_HOME": str(cache / "hf"),
-        "XDG_CACHE_HOME": str(cache / "xdg"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    """vLLM offline, quiet, with caches of its own (tests/vllm_real's); read at import and engine start, so set first.
+    A CPU engine's KV cache: 2 GiB."""
+    sys.path[:0] = [str(p) for p in TESTS if str(p) not in sys.path]
+    from environment import set_vllm_environment
+
+    set_vllm_environment(cache, cpu_kv_cache_gib=2 if device == "cpu" else None)
     if device == "cpu":
-        values["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB per engine, in /dev/shm with the connector
-    for name, value in values.items():
-        os.environ.setdefault(name, value)
+        # vLLM CPU's automatic binding keeps a core for the scheduler's process, two with a kv_transfer_config; on
+        # 2 cores the latter falls back to both, so an engine with the connector got 2 OpenMP threads and one
+        # without got 1 (1.6-1.7x apart, 2026-12-02). Every engine and server here gets the same cores.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+
+
+def kv_transfer(socket: str, prefix: str) -> dict[str, Any]:
+    """The README's --kv-transfer-config, pointed at the bench's daemon and namespace."""
+    return {
+        "kv_connector": "KVSidecarConnector",
+        "kv_connector_module_path": "kvsidecar_client.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": socket, "cache_prefix": prefix},
+    }
 
 
 def start_engine(model_dir: Path, preset: Preset, *, socket: str | None, prefix: str) -> Any:
@@ -184,13 +200,7 @@ def start_engine(model_dir: Path, preset: Preset, *, socket: str | None, prefix:
         "seed": 0,
     }
     if socket is not None:
-        settings["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVSidecarConnector",
-            kv_connector_module_path="kvsidecar_client.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"socket": socket, "cache_prefix": prefix},
-        )
+        settings["kv_transfer_config"] = KVTransferConfig(**kv_transfer(socket, prefix))
     settings.update(preset.llm)
     return LLM(**settings)
 
@@ -249,6 +259,68 @@ def batch_throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> flo
     return (sum(len(p) for p in prompts) + generated) / elapsed
 
 
+# ---- the OpenAI server with concurrent clients ----
+
+
+def start_server(model_dir: Path, preset: Preset, log: Path, *, socket: str | None, prefix: str) -> Any:
+    """vLLM's OpenAI server over the model (tests/vllm_real/openai_server.py), with the connector when `socket` is
+    given, sized as the preset's engines."""
+    from openai_server import OpenAIServer
+
+    flags = [
+        "--skip-tokenizer-init", "--enforce-eager", "--dtype", preset.dtype, "--seed", "0", "--disable-log-stats",
+        "--max-model-len", str(preset.max_model_len), "--max-num-batched-tokens", str(max(4096, preset.miss_length)),
+        "--enable-prefix-caching",
+    ]  # fmt: skip
+    if socket is not None:
+        flags += ["--kv-transfer-config", json.dumps(kv_transfer(socket, prefix))]
+    if "gpu_memory_utilization" in preset.llm:
+        flags += ["--gpu-memory-utilization", str(preset.llm["gpu_memory_utilization"])]
+    return OpenAIServer(model_dir, flags, log, start_timeout=600)
+
+
+def stream_one(server: Any, prompt: Sequence[int], max_tokens: int) -> Served:
+    """One streamed greedy completion through the server: time to its first token and to its last."""
+    started = time.perf_counter()
+    first: float | None = None
+    tokens: list[int] = []
+    for ids in server.stream(prompt, max_tokens):
+        if ids and first is None:
+            first = time.perf_counter() - started
+        tokens.extend(ids)
+    total = time.perf_counter() - started
+    if first is None or len(tokens) != max_tokens:
+        raise RuntimeError(f"a streamed completion ended with {len(tokens)} of {max_tokens} tokens")
+    return Served(first, total, tokens)
+
+
+def chat_pass(server: Any, system: Sequence[int], users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
+    """Every client (one list of user messages each) sends system + message, one after the other, all clients at
+    once: each request's TTFT, and tokens per second over the pass."""
+    barrier = threading.Barrier(len(users))
+    served: list[list[Served]] = [[] for _ in users]
+
+    def client(i: int) -> None:
+        barrier.wait()
+        for message in users[i]:
+            served[i].append(stream_one(server, [*system, *message], max_tokens))
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(users)) as pool:
+        for future in [pool.submit(client, i) for i in range(len(users))]:
+            future.result()
+    wall = time.perf_counter() - started
+    generated = sum(len(s.tokens) for per in served for s in per)
+    prompt_tokens = sum(len(system) + len(m) for per in users for m in per)
+    return {
+        "ttft": [s.ttft for per in served for s in per],
+        "wall": wall,
+        "generated": generated,
+        "prompt_tokens": prompt_tokens,
+        "tokens": [s.tokens for per in served for s in per],
+    }
+
+
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -271,7 +343,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work or tempfile.mkdtemp(prefix="kvsidecar-serving-"))
     work.mkdir(parents=True, exist_ok=True)
     set_environment(args.device, work / "cache")
-    sys.path[:0] = [str(p) for p in TESTS]
     import vllm
     from models import VOCAB
     from sidecar_daemon import Daemon
@@ -340,6 +411,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step("engine B (connector, fresh process): warm from the store")
         b = start_engine(model_dir, preset, socket=daemon.target, prefix=prefix)
         serve_one(b, prompts.fresh(256), 4)
+        # The daemon fills in its page tables for B's KV cache in the background once B registers it (~0.3 s/GiB
+        # here): a server's first request comes after that; loads before it would also pay the page faults.
+        time.sleep(SETTLE)
         equal = 0
         for n in preset.lengths:
             row = rows[n]
@@ -353,6 +427,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counters_warm = daemon.counters()
         stop_engine(b)
         del b
+        if not args.skip_server:
+            result["chat"] = chat_passes(model_dir, preset, work, daemon, prompts, step)
     finally:
         daemon.stop()
     result["ttft"] = {str(n): row for n, row in rows.items()}
@@ -373,6 +449,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["machine_after"] = machine()
     result["seconds"] = round(step.elapsed(), 1)
     return result
+
+
+def chat_passes(
+    model_dir: Path, preset: Preset, work: Path, daemon: Any, prompts: Prompts, step: Progress
+) -> dict[str, Any]:
+    """The shared-system-prompt workload on three fresh servers, vLLM's prefix cache on in each: with the connector
+    (the system prompt not yet stored), without it, and with it again after a restart (the store holds it)."""
+    system_tokens, user_tokens, clients, each = preset.chat
+    system = prompts.fresh(system_tokens)
+    prefix = f"chat{uuid.uuid4().hex[:8]}"
+    passes: dict[str, Any] = {}
+    for label, connector in (("connector", True), ("plain", False), ("connector_restarted", True)):
+        step(f"OpenAI server ({label}): {clients} clients x {each} requests, {system_tokens}+{user_tokens} tokens")
+        users = [[prompts.fresh(user_tokens) for _ in range(each)] for _ in range(clients)]
+        socket = daemon.target if connector else None
+        server = start_server(model_dir, preset, work / f"server-{label}.log", socket=socket, prefix=prefix)
+        try:
+            stream_one(server, prompts.fresh(256), 4)  # first-request costs out of the measurements
+            time.sleep(SETTLE)
+            before = daemon.counters()
+            passes[label] = chat_pass(server, system, users, preset.max_tokens)
+            after = daemon.counters()
+        finally:
+            server.stop()
+        del passes[label]["tokens"]
+        for name in ("kvsidecar_lookup_hit_tokens_total", "kvsidecar_loaded_bytes_total"):
+            passes[label][name] = after.get(name, 0.0) - before.get(name, 0.0)
+    passes["setup"] = {"system": system_tokens, "user": user_tokens, "clients": clients, "requests_each": each}
+    return passes
 
 
 class Progress:
@@ -407,15 +512,16 @@ def render(result: dict[str, Any]) -> str:
     )
     lines.append("")
     lines.append(
-        "| prompt tokens | warm / cold | warm / vLLM prefix cache | cold (A) s | vLLM alone cold (C) s "
-        "| warm from store (B) s | vLLM prefix cache (C) s | prefix cache, connector on (B) s |"
+        "| prompt tokens | warm / cold | warm / vLLM prefix cache | warm / B's own prefix cache | cold (A) s "
+        "| vLLM alone cold (C) s | warm from store (B) s | vLLM prefix cache (C) s | prefix cache, connector on (B) s |"
     )
-    lines.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, row in result["ttft"].items():
         cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
+        own = median(row["warm_prefix_cache"])
         lines.append(
-            f"| {n} | {warm / cold:.3f}x | {warm / limit:.2f}x | {cold:.3f} | {median(row['plain_cold']):.3f} "
-            f"| {warm:.3f} | {limit:.3f} | {median(row['warm_prefix_cache']):.3f} |"
+            f"| {n} | {warm / cold:.3f}x | {warm / limit:.2f}x | {warm / own:.2f}x | {cold:.3f} "
+            f"| {median(row['plain_cold']):.3f} | {warm:.3f} | {limit:.3f} | {own:.3f} |"
         )
     lines.append("")
     miss = result["miss"]
@@ -430,6 +536,10 @@ def render(result: dict[str, Any]) -> str:
     )
     equal = result["greedy_equal"]
     lines.append(f"Greedy tokens warm equal to cold: {equal['equal']} of {equal['of']} prompts.")
+    if "chat" in result:
+        lines.append("")
+        lines.extend(render_chat(result["chat"]))
+        lines.append("")
     daemon = result["daemon"]
     lines.append(
         f"Daemon: {daemon['kvsidecar_saved_bytes_total'] / 2**20:.0f} MiB saved, "
@@ -444,6 +554,50 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, nearest rank (of a few dozen requests: the p99 is about the slowest)."""
+    ordered = sorted(values)
+    rank = math.ceil(len(ordered) * q / 100)
+    return ordered[min(len(ordered) - 1, max(0, rank - 1))]
+
+
+def chat_figures(run: dict[str, Any]) -> tuple[float, float, float]:
+    """(TTFT p50, TTFT p99, generated tokens per second) of one server pass."""
+    return median(run["ttft"]), percentile(run["ttft"], 99), run["generated"] / run["wall"]
+
+
+CHAT_PASSES = {
+    "plain": "vLLM alone (prefix cache)",
+    "connector": "connector, system prompt not yet stored",
+    "connector_restarted": "connector, restarted server (store holds it)",
+}
+
+
+def render_chat(chat: dict[str, Any]) -> list[str]:
+    setup = chat["setup"]
+    lines = [
+        f"OpenAI server (`/v1/completions`, streamed, token-id prompts: the random model has no tokenizer, so no chat "
+        f"template): a {setup['system']}-token system prompt shared by every request, then a fresh "
+        f"{setup['user']}-token user message; {setup['clients']} clients at once, {setup['requests_each']} requests "
+        "each, back to back; a fresh server per pass, vLLM's prefix cache on in each.",
+        "",
+        "| server | TTFT p50 s | TTFT p99 s | tokens/s (generated) | p50 / vLLM alone | tokens/s / vLLM alone |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base = chat_figures(chat["plain"])
+    for key, label in CHAT_PASSES.items():
+        p50, p99, rate = chat_figures(chat[key])
+        lines.append(f"| {label} | {p50:.3f} | {p99:.3f} | {rate:.1f} | {p50 / base[0]:.2f}x | {rate / base[2]:.2f}x |")
+    if "kvsidecar_loaded_bytes_total" in chat["connector_restarted"]:
+        loaded = [chat[k]["kvsidecar_loaded_bytes_total"] / 2**20 for k in ("connector", "connector_restarted")]
+        lines.append("")
+        lines.append(
+            f"Loaded from the store: {loaded[0]:.0f} MiB by the first connector server, {loaded[1]:.0f} MiB by the "
+            "restarted one."
+        )
+    return lines
+
+
 def result_lines(result: dict[str, Any]) -> list[str]:
     """The headline ratios as RESULT lines (scripts/gpu-check.sh prints them in its summary)."""
     lines = []
@@ -451,12 +605,20 @@ def result_lines(result: dict[str, Any]) -> list[str]:
         cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
         lines.append(
             f"RESULT serving {n} tokens: TTFT warm/cold {warm / cold:.3f}x, warm/prefix-cache {warm / limit:.2f}x "
-            f"({warm:.3f} s, {cold:.3f} s, {limit:.3f} s)"
+            f"(B's own: {warm / median(row['warm_prefix_cache']):.2f}x; {warm:.3f} s, {cold:.3f} s, {limit:.3f} s)"
         )
     miss = result["miss"]
     lines.append(f"RESULT serving miss overhead: {median(miss['connector']) / median(miss['plain']):.3f}x throughput")
     equal = result["greedy_equal"]
     lines.append(f"RESULT serving greedy warm == cold: {equal['equal']}/{equal['of']}")
+    if "chat" in result:
+        base = chat_figures(result["chat"]["plain"])
+        for key in ("connector", "connector_restarted"):
+            p50, p99, rate = chat_figures(result["chat"][key])
+            lines.append(
+                f"RESULT serving OpenAI server {key}: TTFT p50 {p50 / base[0]:.2f}x, tokens/s {rate / base[2]:.2f}x "
+                f"of vLLM alone (p50 {p50:.3f} s, p99 {p99:.3f} s, {rate:.1f} tokens/s)"
+            )
     return lines
 
 
@@ -508,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", help="folder for the model, the daemon and vLLM's caches (default: a temp dir)")
     parser.add_argument("--model-dir", help="a local model with weights to use instead of the random one")
     parser.add_argument("--render", help="render tables and plot again from a serving.json, running nothing")
+    parser.add_argument("--skip-server", action="store_true", help="leave out the OpenAI-server workload")
     args = parser.parse_args(argv)
     if args.render:
         path = Path(args.render)

@@ -247,11 +247,14 @@ class Config:
     max_sessions_per_account: int = setting(
         DEFAULT_MAX_SESSIONS_PER_ACCOUNT, help="open sessions of one tenant or uid (default 1024)", parse=int
     )
+    # One vLLM scheduler is one account: 2 at once answer a step's burst of arrivals in half the time of 1 (8 x
+    # 16k-token lookups: 181 ms, not 388), and another account keeps half the threads (its p99 under issue 22's
+    # attack 108 ms, against 192 with 1 of 2): benchmarks/lookup_wait.py --arrivals, lookup_fairness.py.
     lookups_per_account: int = setting(
-        1,
+        2,
         help=(
             "lookups of one tenant or uid running at once; more wait their turn, so one account's huge lookups "
-            "cannot hold every lookup thread (default 1)"
+            "cannot hold every lookup thread (default 2, of --lookup-workers 4)"
         ),
         parse=int,
     )
@@ -263,7 +266,7 @@ class Config:
         ),
         parse=int,
     )
-    lookup_workers: int = setting(2, help="threads running lookups, apart from saves and loads (default 2)", parse=int)
+    lookup_workers: int = setting(4, help="threads running lookups, apart from saves and loads (default 4)", parse=int)
     max_memfds: int = setting(
         DEFAULT_MAX_MEMFDS, help="memfds held for all sessions, parked or mapped (default 4096)", parse=int
     )

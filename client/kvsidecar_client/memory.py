@@ -163,7 +163,7 @@ def shared_tensor(
         try:
             # Reserve every page now: tmpfs over-commits, and a page it cannot back later is a SIGBUS mid-forward.
             _reserve(fd, size)  # tmpfs pages read as zeros
-            mapping = mmap.mmap(fd, size)
+            mapping = _map(fd, size)
         except BaseException:
             os.unlink(path)
             raise
@@ -178,6 +178,15 @@ def shared_tensor(
     # From here the tensor's storage owns the only reference to the mapping.
     del mapping
     return tensor
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """The engine's mapping of its KV cache, its page tables filled in now (MAP_POPULATE: ~0.3 s/GiB here).
+
+    A page first used through a mapping takes a fault: blocks the daemon loaded would otherwise fault in page by
+    page as the forward first reads them (~15 ms per 125 MiB here, on a store hit's time to first token).
+    """
+    return mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
 
 
 def _sealed_tensor(dims: tuple[int, ...], numel: int, size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -198,7 +207,7 @@ def _sealed_tensor(dims: tuple[int, ...], numel: int, size: int, dtype: torch.dt
                 "(VLLM_CPU_KVCACHE_SPACE on vLLM CPU)"
             ) from None
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        mapping = mmap.mmap(fd, size)
+        mapping = _map(fd, size)
     except BaseException:
         os.close(fd)
         raise

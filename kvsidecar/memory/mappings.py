@@ -21,6 +21,7 @@ from typing import Protocol
 from kvsidecar.errors import BadRequest, Forbidden
 from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
 from kvsidecar.memory.memfd import MemfdMapping
+from kvsidecar.memory.populate import Populator
 from kvsidecar.values import CudaHandle, Handle, MemfdHandle, ShmHandle
 
 __all__ = ["SHM_DIR", "CudaIpcMapping", "Mapping", "MemfdMapping", "Opener", "ShmMapping"]
@@ -74,6 +75,7 @@ class ShmMapping:
         self.size = size
         self.name = name
         self.identity: tuple[object, ...] = ("shm", st.st_dev, st.st_ino)
+        self._populator = Populator(self.address, size, f"shared memory {name!r}", self._fd)
 
     def check(self) -> None:
         """Refuse a segment that shrank or lost pages since registration: the daemon would crash or pay for them."""
@@ -91,6 +93,7 @@ class ShmMapping:
 
     def close(self) -> None:
         """Unmap the segment (the engine owns and unlinks it)."""
+        self._populator.stop()
         del self._view
         self._mm.close()
         os.close(self._fd)

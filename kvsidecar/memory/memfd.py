@@ -11,6 +11,7 @@ import stat
 
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
+from kvsidecar.memory.populate import Populator
 
 __all__ = ["MemfdMapping"]
 
@@ -56,6 +57,7 @@ class MemfdMapping:
         self.address = ctypes.addressof(self._view)
         self.size = size
         self.identity: tuple[object, ...] = ("memfd", st.st_dev, st.st_ino)
+        self._populator = Populator(self.address, size, self.name, self._fd)
 
     def check(self) -> None:
         """Refuse a memfd its owner punched holes in: the daemon would fault them back in on its own account."""
@@ -68,6 +70,7 @@ class MemfdMapping:
 
     def close(self) -> None:
         """Unmap it; the engine's own mapping is untouched."""
+        self._populator.stop()
         del self._view
         self._mm.close()
         with contextlib.suppress(OSError):

