@@ -3,6 +3,7 @@
 - put: into DRAM, and every value DRAM took (or refused for lack of space) is copied and written behind to disk.
   A value DRAM had no room for but the disk queue took is reported stored: it is readable once written.
 - exists: in DRAM or written to disk; a value still queued is not claimed, so a hit is never one that cannot load.
+  What it finds on disk alone is prefetched (the load that usually follows finds its bytes read or on the way).
 - get: from DRAM, and each DRAM miss from disk straight into the caller's buffers (checksum verified).
 - remove: from both.
 - tiers: where each key is now (DRAM's answer, else "disk" for a value written to disk); what served each get is
@@ -66,7 +67,9 @@ class TieredStore:
     def exists(self, keys: Sequence[str]) -> list[Presence]:
         """PRESENT when DRAM has the key or the disk has written it; DRAM's answer otherwise."""
         if self.disk_only():
-            return [Presence.PRESENT if there else Presence.ABSENT for there in self.disk.contains(keys)]
+            on_disk = self.disk.contains(keys)
+            self._prefetch([k for k, there in zip(keys, on_disk, strict=True) if there])
+            return [Presence.PRESENT if there else Presence.ABSENT for there in on_disk]
         try:
             found = self.dram.exists(keys)
         except StoreError as exc:
@@ -76,7 +79,13 @@ class TieredStore:
         for j, there in zip(asked, on_disk, strict=True):
             if there:
                 found[j] = Presence.PRESENT
+        self._prefetch([keys[j] for j, there in zip(asked, on_disk, strict=True) if there])
         return found
+
+    def _prefetch(self, keys: list[str]) -> None:
+        """A lookup found these on disk alone: a load usually follows, so the disk starts reading them now."""
+        if keys:
+            self.disk.prefetch(keys)
 
     def put_from(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
