@@ -205,6 +205,15 @@ class Config:
         ),
         parse=parse_size,
     )
+    master_client_ttl: float = setting(
+        10.0,
+        help=(
+            "with --master and --ssd-dir: the master's --client_ttl in seconds (Mooncake's default 10), how long it "
+            "lists a killed daemon's segment; a daemon restarted after a kill reads from its disk alone until then "
+            "(default 10)"
+        ),
+        parse=float,
+    )
 
     kv_events_endpoint: str = setting(
         "",
@@ -313,6 +322,8 @@ class Config:
                 raise ConfigError(f"ssd-size must be at least 64MiB, got {self.ssd_size}")
             if self.ssd_buffer_size < 4 * MiB:
                 raise ConfigError(f"ssd-buffer-size must be at least 4MiB, got {self.ssd_buffer_size}")
+            if not 0 <= self.master_client_ttl < 86400:
+                raise ConfigError(f"master-client-ttl must be 0-86400 seconds, got {self.master_client_ttl:g}")
             if not self.segment_size:
                 raise ConfigError(
                     "ssd-dir needs a segment (segment-size > 0): the disk tier is written behind a DRAM one"

@@ -9,6 +9,7 @@ from kvsidecar.errors import ConfigError, DaemonError, StoreError
 
 
 def run(args: argparse.Namespace) -> int:
+    import faulthandler
     import logging
 
     import uvloop
@@ -24,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # A crash inside native code (Mooncake) leaves every thread's Python stack in the log, not silence.
+    faulthandler.enable()
     try:
         uvloop.run(serve(config))
     except (DaemonError, StoreError, ConfigError, OSError) as exc:

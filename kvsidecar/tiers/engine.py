@@ -9,11 +9,15 @@
   the oldest file (with every value in it) to make room.
 - Reads look a key up in memory and preadv straight into the caller's buffers, a few at once; the value's checksum
   is verified there, and a mismatch (a corrupted or truncated file) is a miss, counted, and the key forgotten.
+- Prefetch: a lookup that finds values on disk alone hands their extents (adjacent values as one range) to the
+  kernel's readahead (POSIX_FADV_WILLNEED) from a thread of its own, so the disk reads them while the lookup answers
+  and the load that usually follows is asked for; that load then finds its bytes in memory or on the way.
 - Recovery replays each segment's index, cutting a torn or corrupted tail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -119,6 +123,7 @@ class DiskEngine:
         self._next = max(self._segments, default=0) + 1
         self._dirfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         self._readers = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="kvsidecar-disk-read")
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvsidecar-disk-prefetch")
         self._writer = threading.Thread(target=self._run, name="kvsidecar-disk-writer", daemon=True)
         self._writer.start()
 
@@ -128,6 +133,34 @@ class DiskEngine:
         """Whether each key's value is on disk (written and indexed) now."""
         with self._lock:
             return [k in self._index for k in keys]
+
+    def prefetch(self, keys: Sequence[str]) -> None:
+        """Start reading these keys' values into the page cache, on the prefetch thread (unknown keys are skipped)."""
+        with self._lock:
+            extents = []
+            for key in keys:
+                entry = self._index.get(key)
+                seg = self._segments.get(entry.file) if entry is not None else None
+                if entry is not None and seg is not None and seg.rfd >= 0:
+                    seg.readers += 1  # its descriptor stays open until the hint is given
+                    extents.append((seg, entry.offset, entry.length))
+        if extents:
+            try:
+                self._prefetcher.submit(self._will_need, extents)
+            except RuntimeError:  # closing
+                self._done_with(extents)
+
+    def _will_need(self, extents: list[tuple[Segment, int, int]]) -> None:
+        try:
+            will_need(extents)
+        finally:
+            self._done_with(extents)
+
+    def _done_with(self, extents: list[tuple[Segment, int, int]]) -> None:
+        with self._lock:
+            for seg, _, _ in extents:
+                seg.readers -= 1
+                self._close_if_dead(seg)
 
     def enqueue(self, key: str, addresses: Sequence[int], sizes: Sequence[int]) -> bool:
         """Copy a value (its buffers, in order) for writing behind; False when skipped (queue full), counted."""
@@ -235,6 +268,7 @@ class DiskEngine:
             self._wake.notify_all()
         self._writer.join()
         self._readers.shutdown(wait=True)
+        self._prefetcher.shutdown(wait=True)
         with self._lock:
             for seg in self._segments.values():
                 self._close_writer(seg)
@@ -552,3 +586,18 @@ class DiskEngine:
             seg = self._segments.get(old.file)
             if seg is not None:
                 seg.keys.discard(key)
+
+
+def will_need(extents: list[tuple[Segment, int, int]]) -> None:
+    """Hand (file, offset, length) extents to the kernel's readahead, adjacent ones as one range."""
+    extents = sorted(extents, key=lambda e: (e[0].number, e[1]))
+    i = 0
+    while i < len(extents):
+        seg, start, length = extents[i]
+        end = start + length
+        i += 1
+        while i < len(extents) and extents[i][0] is seg and extents[i][1] <= round_up(end):
+            end = max(end, extents[i][1] + extents[i][2])
+            i += 1
+        with contextlib.suppress(OSError):  # only a hint: the reads themselves report what fails
+            os.posix_fadvise(seg.rfd, start, end - start, os.POSIX_FADV_WILLNEED)

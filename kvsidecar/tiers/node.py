@@ -34,7 +34,8 @@ class DiskTierNode:
         """Lock the directory (SsdDirBusy names a live owner), recover its index and start the writer."""
         self.metrics = metrics
         self.directory = os.path.realpath(config.ssd_dir)
-        self.lock = SsdDirLock.claim(self.directory)
+        self.lock = SsdDirLock.claim(self.directory, master=config.master)
+        self._master_client_ttl = config.master_client_ttl
         try:
             self.engine = DiskEngine(self.directory, config.ssd_size, queue_bytes=config.ssd_buffer_size)
         except BaseException:
@@ -66,6 +67,20 @@ class DiskTierNode:
         """The store the daemon serves: dram with this disk tier behind it (closing it closes the engine)."""
         store = TieredStore(dram, self.engine, partial(count_tier_hits, self.metrics))
         store.note_health(self.note)
+        # A killed earlier owner's segment may still be listed by the external master: reads routed there go to a
+        # segment nobody serves. Until the master forgets it, lookups and loads ask the disk alone.
+        until = self.lock.dead_segment_until(self._master_client_ttl)
+        self.lock.record_dead_until(until)
+        left = until - time.time()
+        if left > 0:
+            store.disk_only_for(left)
+            log.warning(
+                "disk tier: an earlier daemon on %s was killed and master %s may still list its segment: lookups and "
+                "loads use the disk alone for %.1f s",
+                self.directory,
+                self.lock.master,
+                left,
+            )
         self.housekeep()
         return store
 

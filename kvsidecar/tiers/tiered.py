@@ -3,18 +3,25 @@
 - put: into DRAM, and every value DRAM took (or refused for lack of space) is copied and written behind to disk.
   A value DRAM had no room for but the disk queue took is reported stored: it is readable once written.
 - exists: in DRAM or written to disk; a value still queued is not claimed, so a hit is never one that cannot load.
+  What it finds on disk alone is prefetched (the load that usually follows finds its bytes read or on the way).
 - get: from DRAM, and each DRAM miss from disk straight into the caller's buffers (checksum verified).
 - remove: from both.
 - tiers: where each key is now (DRAM's answer, else "disk" for a value written to disk); what served each get is
   told to `on_served` as it happens (the tier-hit metrics), so no location query follows a load.
+
+Disk only, for a while (`disk_only_for`): a daemon killed -9 and restarted against an external master that still
+lists the dead daemon's segment (until the master's client TTL expires it) would have its DRAM reads routed to a
+segment nobody serves. So for that long lookups and loads ask the disk alone: what the dead daemon wrote is served
+from disk, what only its DRAM held is a miss, and no read is sent to the dead segment. Saves go to DRAM as always.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from kvsidecar.errors import StoreError
-from kvsidecar.store.base import Presence, Store, StoreHealth
+from kvsidecar.store.base import Presence, Store, StoreHealth, check_batch_shapes
 from kvsidecar.store.codes import StoreCode, presence_of_failure
 from kvsidecar.tiers.engine import DiskEngine
 from kvsidecar.tiers.results import ReadResult
@@ -39,6 +46,15 @@ class TieredStore:
         self.disk = disk
         self._on_served = on_served
         self._health_note = ""
+        self._disk_only_until = 0.0  # time.monotonic() before which DRAM is not read
+
+    def disk_only_for(self, seconds: float) -> None:
+        """Answer lookups and loads from the disk alone for the next `seconds` (see the module docstring)."""
+        self._disk_only_until = time.monotonic() + max(0.0, seconds)
+
+    def disk_only(self) -> bool:
+        """Whether lookups and loads ask the disk alone now."""
+        return self._disk_only_until > 0 and time.monotonic() < self._disk_only_until
 
     def register_buffer(self, address: int, size: int) -> None:
         """Register with DRAM (the disk reads into any memory)."""
@@ -50,6 +66,10 @@ class TieredStore:
 
     def exists(self, keys: Sequence[str]) -> list[Presence]:
         """PRESENT when DRAM has the key or the disk has written it; DRAM's answer otherwise."""
+        if self.disk_only():
+            on_disk = self.disk.contains(keys)
+            self._prefetch([k for k, there in zip(keys, on_disk, strict=True) if there])
+            return [Presence.PRESENT if there else Presence.ABSENT for there in on_disk]
         try:
             found = self.dram.exists(keys)
         except StoreError as exc:
@@ -59,7 +79,13 @@ class TieredStore:
         for j, there in zip(asked, on_disk, strict=True):
             if there:
                 found[j] = Presence.PRESENT
+        self._prefetch([keys[j] for j, there in zip(asked, on_disk, strict=True) if there])
         return found
+
+    def _prefetch(self, keys: list[str]) -> None:
+        """A lookup found these on disk alone: a load usually follows, so the disk starts reading them now."""
+        if keys:
+            self.disk.prefetch(keys)
 
     def put_from(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -84,12 +110,16 @@ class TieredStore:
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[StoreCode]:
         """Get from DRAM; read what DRAM missed from disk."""
-        try:
-            codes = self.dram.get_into(keys, addresses, sizes)
-        except StoreError as exc:
-            if exc.code is StoreCode.INVALID_PARAMS:
-                raise
-            codes = [exc.code] * len(keys)
+        if self.disk_only():
+            check_batch_shapes(keys, addresses, sizes)
+            codes = [StoreCode.NOT_FOUND] * len(keys)
+        else:
+            try:
+                codes = self.dram.get_into(keys, addresses, sizes)
+            except StoreError as exc:
+                if exc.code is StoreCode.INVALID_PARAMS:
+                    raise
+                codes = [exc.code] * len(keys)
         asked = [j for j, code in enumerate(codes) if code in _NOT_FROM_DRAM]
         tier = [MEMORY] * len(keys)
         if asked:
@@ -111,7 +141,7 @@ class TieredStore:
     def tiers(self, keys: Sequence[str]) -> list[str]:
         """Where each key is now: DRAM's answer ("memory", or Mooncake's own "disk"), else "disk" for a value
         this tier has written, else "" (absent)."""
-        where = self.dram.tiers(keys)
+        where = [""] * len(keys) if self.disk_only() else self.dram.tiers(keys)
         asked = [j for j, w in enumerate(where) if not w]
         for j, there in zip(asked, self.disk.contains([keys[j] for j in asked]), strict=True):
             if there:
@@ -120,7 +150,7 @@ class TieredStore:
 
     def readable(self, key: str) -> bool:
         """Whether DRAM or the disk can serve key now."""
-        return self.dram.readable(key) or self.disk.contains([key])[0]
+        return (not self.disk_only() and self.dram.readable(key)) or self.disk.contains([key])[0]
 
     def note_health(self, note: str) -> None:
         """A line health() adds to its detail from now on."""

@@ -51,3 +51,36 @@ def test_flags():
         build({"ssd_dir": "/nvme/kv", "ssd_size": MiB})
     with pytest.raises(ConfigError, match="needs a segment"):
         build({"ssd_dir": "/nvme/kv", "segment_size": 0})
+
+
+def test_the_next_owner_knows_whether_a_killed_owner_used_the_same_external_master(tmp_path):
+    ssd = tmp_path / "ssd"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvsidecar.tiers.directory import SsdDirLock; "
+         "held = SsdDirLock.claim(sys.argv[1], master='127.0.0.1:5000'); print('ok', flush=True); sys.stdin.read()",
+         str(ssd)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
+    finally:
+        holder.kill()
+        holder.wait()
+    after_kill = SsdDirLock.claim(ssd, master="127.0.0.1:5000")
+    assert after_kill.previous_master == "127.0.0.1:5000" and after_kill.last_alive is not None
+    until = after_kill.dead_segment_until(30)
+    assert until >= after_kill.last_alive + 30  # that master lists the dead owner's segment for its client TTL
+    after_kill.release()
+    # Another master never knew it; an embedded one died with its daemon.
+    for master in ("127.0.0.1:6000", ""):
+        other = SsdDirLock.claim(ssd, master=master)
+        assert other.dead_segment_until(30) == 0
+        other.release()
+    # An owner that stopped cleanly passes on what it knew of the killed one.
+    knew = SsdDirLock.claim(ssd, master="127.0.0.1:5000")
+    assert knew.dead_segment_until(30) == 0  # the last owner (another master) stopped cleanly and knew nothing
+    knew.record_dead_until(until)
+    knew.release()
+    clean = SsdDirLock.claim(ssd, master="127.0.0.1:5000")
+    assert clean.stopped is not None and clean.dead_segment_until(30) == until
+    clean.release()

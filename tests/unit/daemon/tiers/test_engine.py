@@ -421,3 +421,29 @@ def test_killed_at_any_moment_it_serves_only_whole_values(tmp_path):
             start = max((int(k[1:]) for k in keys), default=start) + 1_000_000
         finally:
             engine.close()
+
+
+def test_prefetch_hands_adjacent_values_to_readahead_as_one_range_and_reads_stay_exact(tmp_path, monkeypatch):
+    engine = open_engine(tmp_path, False)
+    try:
+        keys = [f"p{i}" for i in range(8)]
+        for key in keys:
+            assert put(engine, key, pattern(key))
+        assert engine.flush(60)
+        hints: list[tuple[int, int, int]] = []
+        real = os.posix_fadvise
+
+        def recorded(fd: int, offset: int, length: int, advice: int) -> None:
+            if advice == os.POSIX_FADV_WILLNEED:
+                hints.append((fd, offset, length))
+            real(fd, offset, length, advice)  # the kernel still gets the hint
+
+        monkeypatch.setattr(os, "posix_fadvise", recorded)
+        engine.prefetch([*keys[::-1], "unknown"])  # any order; an unknown key is skipped
+        engine._prefetcher.submit(lambda: None).result(timeout=60)  # the prefetch thread is done
+        assert [(offset, length) for _, offset, length in hints] == [(0, 8 * VALUE)]  # one range, one file
+        for key in keys:
+            assert get(engine, key) == (ReadResult.OK, pattern(key))
+    finally:
+        engine.close()
+    engine.prefetch(keys)  # after close: nothing to do, no error

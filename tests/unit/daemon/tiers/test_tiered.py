@@ -6,6 +6,7 @@ import ctypes
 
 import pytest
 
+from kvsidecar.errors import StoreError
 from kvsidecar.store.base import Presence
 from kvsidecar.store.codes import StoreCode
 from kvsidecar.store.memory_store import MemoryStore
@@ -113,3 +114,28 @@ def test_health_carries_the_recovery_note(parts):
     store.note_health("disk tier X: recovered 0 of 0 blocks on disk")
     health = store.health()
     assert health.healthy and health.detail.endswith("; disk tier X: recovered 0 of 0 blocks on disk")
+
+
+def test_disk_only_asks_dram_nothing_until_the_window_ends(parts):
+    dram, disk, store, served = parts
+    assert put(store, "both", value("b")) is StoreCode.OK
+    assert disk.flush(60)
+    only_dram = Block(value("d"))
+    assert dram.put_from(["dram"], [[only_dram.address]], [[VALUE]]) == [StoreCode.OK]  # never written to disk
+    store.disk_only_for(600)  # a killed predecessor's segment may still be listed: DRAM is not read
+    assert store.disk_only()
+    assert store.exists(["both", "dram"]) == [Presence.PRESENT, Presence.ABSENT]
+    assert store.tiers(["both", "dram"]) == ["disk", ""]
+    assert not store.readable("dram") and store.readable("both")
+    assert get(store, "both") == (StoreCode.OK, value("b"))
+    assert served[-1] == ("disk", VALUE)  # from disk although DRAM holds it
+    assert get(store, "dram")[0] is StoreCode.NOT_FOUND
+    with pytest.raises(StoreError):
+        store.get_into(["both"], [[1, 2]], [[VALUE]])  # bad shapes stay the caller's error
+    assert put(store, "new", value("n")) is StoreCode.OK  # saves go on as always (DRAM is full: to disk alone)
+    assert disk.flush(60) and disk.contains(["new"]) == [True]
+    store.disk_only_for(0)
+    assert not store.disk_only()
+    assert store.exists(["dram"]) == [Presence.PRESENT]
+    assert get(store, "dram") == (StoreCode.OK, value("d"))
+    assert served[-1] == ("memory", VALUE)
