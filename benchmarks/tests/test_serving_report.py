@@ -53,8 +53,8 @@ RESULT = {
 def test_the_report_leads_with_ratios_of_medians():
     serving = load_serving()
     text = serving.render(RESULT)
-    # medians: cold 2.0, warm 0.2, vLLM's prefix cache 0.1
-    assert "| 1000 | 0.100x | 2.00x | 2.000 |" in text
+    # medians: cold 2.0, vLLM alone cold 1.1, warm 0.2, vLLM's prefix cache 0.1, B's own prefix cache 0.11
+    assert "| 1000 | 0.100x | 2.00x | 1.82x | 2.000 | 1.100 | 0.200 | 0.100 | 0.110 |" in text
     assert "**1.000x**" in text  # miss overhead: median 100 against 100
     assert "2 of 2 prompts" in text
     lines = serving.result_lines(RESULT)

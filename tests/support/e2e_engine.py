@@ -293,7 +293,7 @@ def placements_match_oracle(engine: SimEngine) -> None:
     """Each session's reported factor is the oracle's replication-set size, and its span the engine's."""
     dcp = engine.layout.parallel.dcp_size
     for rank, placement in zip(engine.ranks, engine.placements, strict=True):
-        for g, (factor, _shard, _keys, span) in enumerate(placement["groups"]):
+        for g, (factor, _shard, _keys, span, *_) in enumerate(placement["groups"]):
             size = next(len(s) for s in engine.replication_sets(g) if rank in s)
             want = (size, oracle.view_of(engine.layout.groups[g], dcp).span)
             assert (factor, span) == want, f"{rank} group {g}: daemon says {(factor, span)}, oracle {want}"
