@@ -91,12 +91,7 @@ class TieredStore:
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[StoreCode]:
         """Put into DRAM and queue each stored (or DRAM-refused for space) value for the disk."""
-        try:
-            codes = self.dram.put_from(keys, addresses, sizes)
-        except StoreError as exc:
-            if exc.code is StoreCode.INVALID_PARAMS:
-                raise
-            codes = [exc.code] * len(keys)
+        codes = _per_key(self.dram.put_from, keys, addresses, sizes)
         out = []
         for key, a, s, code in zip(keys, addresses, sizes, codes, strict=True):
             if code is StoreCode.OK:
@@ -114,12 +109,7 @@ class TieredStore:
             check_batch_shapes(keys, addresses, sizes)
             codes = [StoreCode.NOT_FOUND] * len(keys)
         else:
-            try:
-                codes = self.dram.get_into(keys, addresses, sizes)
-            except StoreError as exc:
-                if exc.code is StoreCode.INVALID_PARAMS:
-                    raise
-                codes = [exc.code] * len(keys)
+            codes = _per_key(self.dram.get_into, keys, addresses, sizes)
         asked = [j for j, code in enumerate(codes) if code in _NOT_FROM_DRAM]
         tier = [MEMORY] * len(keys)
         if asked:
@@ -178,3 +168,19 @@ class TieredStore:
             self.dram.close()
         finally:
             self.disk.close()
+
+
+def _per_key(
+    call: Callable[[Sequence[str], Sequence[Sequence[int]], Sequence[Sequence[int]]], list[StoreCode]],
+    keys: Sequence[str],
+    addresses: Sequence[Sequence[int]],
+    sizes: Sequence[Sequence[int]],
+) -> list[StoreCode]:
+    """A DRAM batch call's codes; a batch that failed whole is that code for every key (the disk may still serve
+    them), except bad parameters, which are the caller's error and raise."""
+    try:
+        return call(keys, addresses, sizes)
+    except StoreError as exc:
+        if exc.code is StoreCode.INVALID_PARAMS:
+            raise
+        return [exc.code] * len(keys)
