@@ -71,7 +71,7 @@ def main() -> None:
     print("| request | ms (median) |")
     print("| --- | --- |")
     for shape in (MLA, GQA):
-        for n in (32, 128):
+        for n in (8, 32, 128):
             memory = EngineMemory.shared(shape, 2 * n)
             session = sessions.open(Role.RANK, shape.layout("bench/x"), 32, "x")
             fds: list[int] = []  # the memfds a rank would pass over the side socket, handed over directly here

@@ -111,6 +111,17 @@ class Metrics:
             ["method"],
             registry=r,
         )
+        self.data_socket_requests = Counter(
+            "kvsidecar_data_socket_requests",
+            "Of the requests, those received on the data socket (the rest came over gRPC), by method.",
+            ["method"],
+            registry=r,
+        )
+        self.data_socket_connections = Gauge(
+            "kvsidecar_data_socket_connections",
+            "Data-socket connections open now (one daemon thread each).",
+            registry=r,
+        )
         self.requests_rejected = Counter(
             "kvsidecar_requests_rejected",
             "Requests refused with an error status, by method and gRPC code.",

@@ -77,12 +77,13 @@ class Clock:
 
 
 class DaemonPath:
-    """client -> gRPC (Unix socket) -> daemon -> Mooncake, the way an engine rank uses kvsidecar."""
+    """client -> data socket (saves and loads; gRPC for the rest) -> daemon -> Mooncake, the way an engine rank uses
+    kvsidecar; with data_socket=False every call goes over gRPC ("daemon-grpc": what the data socket saves)."""
 
-    name = "daemon"
-
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, *, data_socket: bool = True) -> None:
         self.daemon = daemon
+        self.name = "daemon" if data_socket else "daemon-grpc"
+        self._data_socket = data_socket
         self._clock = Clock(lambda: process_stats(daemon.pid).cpu_s)
         self._client: Any = None
         self._tp_size = 1
@@ -91,14 +92,22 @@ class DaemonPath:
     def begin(self, shape: ModelShape, memory: EngineMemory) -> None:
         from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
 
+        if not self._data_socket:
+            # Beside the default daemon path on the same daemon: a session registers only memory of its own, and
+            # keys of its own keep one path's saves from finding the other's values stored.
+            own = EngineMemory.allocate(shape, memory.num_blocks, 0, memory.device)
+            for mine, theirs in zip(own.tensors, memory.tensors, strict=True):
+                mine.copy_(theirs)
+            memory = own
         self._client = SidecarClient.connect(
             self.daemon.target,
-            model=model_name(shape),
+            model=model_name(shape) + ("" if self._data_socket else "/grpc"),
             layout=EngineLayout(tp_size=shape.tp_size, tp_rank=shape.tp_rank),
             num_kv_heads=shape.kv_heads,
             hash_block_size=BLOCK_TOKENS,
             groups=[GroupSpec(shape.group, BLOCK_TOKENS)],
             client_name="kvsidecar-bench",
+            data_socket=self._data_socket,
         )
         self._client.register(memory.tensors, [(0,)] * len(memory.tensors))
         self._tp_size = shape.tp_size

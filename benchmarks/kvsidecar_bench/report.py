@@ -18,14 +18,16 @@ __all__ = ["OP_TITLES", "PATH_TITLES", "Results", "headline", "path_titles", "ra
 
 SCHEMA = 1
 PATH_TITLES = {
-    "daemon": "daemon (client -> gRPC -> daemon -> Mooncake)",
+    "daemon": "daemon (client -> data socket -> daemon -> Mooncake; gRPC for sessions and lookups)",
+    "daemon-grpc": "daemon with every call over gRPC (client -> gRPC -> daemon -> Mooncake)",
     "in-process": "in-process Mooncake (vLLM in-tree style)",
     "real-client": "Mooncake real client (dummy client -> mooncake_client)",
     "memcpy": "memcpy of the same bytes (one core, one contiguous copy per tensor)",
 }
 CUDA_PATH_TITLES = {
     **PATH_TITLES,
-    "daemon": "daemon (client -> gRPC -> daemon -> Mooncake CUDA build, KV cache mapped over CUDA IPC)",
+    "daemon": "daemon (client -> data socket -> daemon -> Mooncake CUDA build, KV cache mapped over CUDA IPC)",
+    "daemon-grpc": "daemon with every call over gRPC (-> Mooncake CUDA build, KV cache mapped over CUDA IPC)",
     "in-process": "in-process Mooncake CUDA build on the same GPU buffers (vLLM in-tree style)",
     "memcpy": "cudaMemcpy device-to-host into pinned host memory (torch copy_, synchronized; host-to-device on load)",
 }

@@ -150,7 +150,7 @@ def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: Moo
         paths: list[DataPath] = [DaemonPath(daemon)]
         if want_throughput:
             assert in_process is not None
-            paths.append(in_process)
+            paths += [DaemonPath(daemon, data_socket=False), in_process]
             real = _real_client_path(settings, shapes, stack, workdir, logs, results, progress, mooncake)
             if real is not None:
                 paths.append(real)

@@ -17,22 +17,26 @@ import grpc
 from kvsidecar_client.errors import DaemonUnavailable, error_for_status
 from kvsidecar_contract.paths import TICKET_METADATA, side_socket_path
 
-__all__ = ["TICKET_METADATA", "SideSocket", "side_socket_for"]
+__all__ = ["TICKET_METADATA", "SideSocket", "side_socket_for", "unix_socket_path"]
 
 _MAX_REPLY = 4096
 
 
+def unix_socket_path(address: str) -> str | None:
+    """The socket file of a Unix-socket address (unix:///path, unix:path, /path); None for TCP addresses."""
+    if address.startswith("unix://"):
+        return address.removeprefix("unix://")
+    if address.startswith("unix:"):
+        return address.removeprefix("unix:")
+    if address.startswith("/"):
+        return address
+    return None
+
+
 def side_socket_for(address: str) -> SideSocket | None:
     """The side socket of a daemon at a Unix-socket address; None for TCP addresses (fd passing needs a Unix socket)."""
-    if address.startswith("unix://"):
-        path = address.removeprefix("unix://")
-    elif address.startswith("unix:"):
-        path = address.removeprefix("unix:")
-    elif address.startswith("/"):
-        path = address
-    else:
-        return None
-    return SideSocket(side_socket_path(path))
+    path = unix_socket_path(address)
+    return None if path is None else SideSocket(side_socket_path(path))
 
 
 class SideSocket:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, TcpAuth, make_channel
-from kvsidecar_client._side import SideSocket, side_socket_for
+from kvsidecar_client._data import DataSocket, data_socket_for
+from kvsidecar_client._side import SideSocket, side_socket_for, unix_socket_path
 from kvsidecar_client.batch import (
     LoadItem,
     SaveItem,
@@ -69,8 +70,9 @@ class SidecarClient:
         *,
         deadlines: Deadlines | None = None,
         side: SideSocket | None = None,
+        data: DataSocket | None = None,
     ) -> None:
-        self._keeper = SessionKeeper(channel, spec, deadlines or Deadlines(), side)
+        self._keeper = SessionKeeper(channel, spec, deadlines or Deadlines(), side, data)
         self._spec = spec
         self._deadlines = self._keeper.deadlines
         # Saves are sent, and re-sent after a lost session, from here.
@@ -98,6 +100,7 @@ class SidecarClient:
         hit_alignment_tokens: int = 0,
         fine_grained_hits: bool | None = None,
         share_across_tp: bool | int = False,
+        data_socket: bool = True,
     ) -> SidecarClient:
         """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
 
@@ -106,7 +109,8 @@ class SidecarClient:
         `value_identity` says what the engine's bytes mean beyond the model's name (docs/values.md); engines whose
         identities differ never share a value. `share_across_tp` stores the groups that allow it for every TP size
         (docs/placement.md rule 11): True per KV head, an int N as a TP=N engine holds its heads; every session of
-        the engine must say the same.
+        the engine must say the same. `data_socket`: send saves and loads over the daemon's data socket where it
+        has one (a Unix-socket daemon; without the socket, or with False, they go over gRPC).
         """
         spec = SessionSpec(
             model=model,
@@ -123,8 +127,11 @@ class SidecarClient:
             fine_grained_hits=fine_grained_hits,
             share_across_tp=share_across_tp,
         )
-        side = side_socket_for(address) if auth is None else None
-        client = cls(make_channel(address, max_message_bytes, auth), spec, deadlines=deadlines, side=side)
+        path = unix_socket_path(address) if auth is None else None
+        side = side_socket_for(address) if path is not None else None
+        data = data_socket_for(path) if data_socket else None
+        channel = make_channel(address, max_message_bytes, auth)
+        client = cls(channel, spec, deadlines=deadlines, side=side, data=data)
         try:
             client.start()
         except BaseException:

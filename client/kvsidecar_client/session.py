@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from kvsidecar_client._data import DataSocket
 from kvsidecar_client._side import SideSocket
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
@@ -38,6 +39,7 @@ from kvsidecar_client.errors import (
 from kvsidecar_client.layout import SessionSpec
 from kvsidecar_client.memory import describe_regions
 from kvsidecar_client.results import Registration, SessionInfo
+from kvsidecar_contract.frames import METHOD_IDS
 from kvsidecar_contract.limits import MAX_MEMFDS
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto.sidecar_pb2_grpc import SidecarStub
@@ -78,10 +80,16 @@ class SessionKeeper:
     """Owns the channel, the current session and the registered memory, and keeps the session alive."""
 
     def __init__(
-        self, channel: grpc.Channel, spec: SessionSpec, deadlines: Deadlines, side: SideSocket | None = None
+        self,
+        channel: grpc.Channel,
+        spec: SessionSpec,
+        deadlines: Deadlines,
+        side: SideSocket | None = None,
+        data: DataSocket | None = None,
     ) -> None:
         self.channel = channel
         self.side = side  # the daemon's side socket (Unix-socket daemons): tickets and memfd passing
+        self.data = data  # the daemon's data socket (Unix-socket daemons): saves and loads without gRPC
         self.stub = SidecarStub(channel)
         self.spec = spec
         self.deadlines = deadlines
@@ -177,6 +185,8 @@ class SessionKeeper:
             self._lock.release()
         if session is not None:
             self._close_quietly(session)
+        if self.data is not None:
+            self.data.close()
         self.channel.close()
 
     # ---- calls ----
@@ -190,7 +200,18 @@ class SessionKeeper:
         wait_for_ready: bool = False,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> Any:
-        """One call, its failure mapped into the client's exceptions."""
+        """One call, its failure mapped into the client's exceptions; saves and loads go over the data socket
+        where the daemon has one for this session."""
+        session = self._session
+        if self.data is not None and method in METHOD_IDS and session is not None and session.id == request.session_id:
+            try:
+                response = self.data.call(session.id, session.side_secret, method, request, timeout)
+            except DaemonUnavailable as error:
+                if self.closed.is_set():
+                    raise ClientClosed("the client was closed during the call", method=method) from None
+                raise error
+            if response is not None:
+                return response
         try:
             extra = {"metadata": tuple(metadata)} if metadata else {}
             return getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready, **extra)

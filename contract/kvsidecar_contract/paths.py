@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["TICKET_METADATA", "default_socket_path", "default_target", "side_socket_path"]
+__all__ = ["TICKET_METADATA", "data_socket_path", "default_socket_path", "default_target", "side_socket_path"]
 
 # gRPC metadata key of a side-socket ticket: it stands for the Unix credentials of the process that got it.
 TICKET_METADATA = "kvsidecar-ticket"
@@ -28,3 +28,8 @@ def default_target(env: Mapping[str, str] | None = None) -> str:
 def side_socket_path(socket_path: str) -> str:
     """The daemon's side socket (peer credentials, memfd passing) next to its gRPC socket."""
     return socket_path + ".side"
+
+
+def data_socket_path(socket_path: str) -> str:
+    """The daemon's data socket (saves and loads without gRPC: `kvsidecar_contract.frames`) next to its gRPC socket."""
+    return socket_path + ".data"

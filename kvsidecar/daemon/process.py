@@ -31,6 +31,7 @@ from kvsidecar.events.node import NodeEvents
 from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
+from kvsidecar.rpc.datasocket import DataSocket
 from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.rpc.side import SideChannel
@@ -39,7 +40,7 @@ from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
 from kvsidecar.tenancy.shares import SessionShares
 from kvsidecar.tiers.node import DiskTierNode
-from kvsidecar_contract.paths import side_socket_path
+from kvsidecar_contract.paths import data_socket_path, side_socket_path
 
 __all__ = ["HOUSEKEEPING_INTERVAL_S", "SHUTDOWN_GRACE_S", "Daemon", "serve"]
 
@@ -77,6 +78,7 @@ class Daemon:
         self._housekeeping: asyncio.Task[None] | None = None
         self.service: SidecarService | None = None
         self.side: SideChannel | None = None
+        self.data_socket: DataSocket | None = None
         self.tenancy: Tenancy | None = None
         self.disk_tier: DiskTierNode | None = None
         self.kv_events: NodeEvents | None = None
@@ -168,6 +170,11 @@ class Daemon:
             self.side.start()
             for server in self._servers:
                 await server.start()
+        # A Unix path reaches the same socket from any network namespace: its connection threads start here, where
+        # the data pool's do (inside the loopback guard), since they call the store.
+        self.data_socket = DataSocket(data_socket_path(cfg.socket), self.service, self.metrics, cfg.max_message_bytes)
+        self.data_socket.bind(cfg.socket_mode, gid)
+        self.data_socket.start()
         # The event sockets are kvsidecar's own: recorded before the fence's first sweep, which would fence them.
         for role, address, allowed in self.kv_events.listeners() if self.kv_events else ():
             self.fence.add_own(role, address, allowed)
@@ -347,7 +354,10 @@ class Daemon:
             await self._health.enter_graceful_shutdown()
         if self.service is not None:
             self.service.stop_accepting()
-        await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in self._servers))
+        stops = [server.stop(SHUTDOWN_GRACE_S) for server in self._servers]
+        if self.data_socket is not None:
+            stops.append(asyncio.get_running_loop().run_in_executor(None, self.data_socket.stop, SHUTDOWN_GRACE_S))
+        await asyncio.gather(*stops)
         if self.side is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
         if self.kv_events is not None:

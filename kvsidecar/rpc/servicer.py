@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.errors import BadRequest, ShuttingDown
+from kvsidecar.errors import BadRequest, Forbidden, ShuttingDown
 from kvsidecar.fence.guard import Listener
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
@@ -27,6 +28,7 @@ from kvsidecar.rpc.statuses import SESSION_ERRORS, status_of
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import StoreHealth
 from kvsidecar.tenancy.live import Tenancy
+from kvsidecar_contract import frames
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 
@@ -64,14 +66,11 @@ def answered(pool: Pool) -> Callable[[Handler[Any]], Callable[..., Awaitable[Any
                     # One account's lookups hold at most its share of the lookup threads; the rest wait here.
                     async with self._lookup_gates.hold(self.sessions.account_of(request.session_id)):
                         return await asyncio.get_running_loop().run_in_executor(self._pools[pool], work)
+                if pool == "data":
+                    return await asyncio.get_running_loop().run_in_executor(self._pools[pool], self.in_data_slot, work)
                 return await asyncio.get_running_loop().run_in_executor(self._pools[pool], work)
             except Exception as exc:
-                code, reason = status_of(exc)
-                self.metrics.requests_rejected.labels(name, code.name).inc()
-                if code is grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", name)
-                else:
-                    log.debug("%s refused: %s: %s", name, code.name, reason)
+                code, reason = self.refused(name, exc)
                 await context.abort(code, reason)
                 raise AssertionError("unreachable: context.abort raises") from exc
 
@@ -116,6 +115,9 @@ class SidecarService(pb_grpc.SidecarServicer):
             "lookup": ThreadPoolExecutor(lookup_workers, thread_name_prefix="kvsidecar-lookup"),
         }
         self._lookup_gates = AccountGates(lookups_per_account)
+        # Saves, loads and closes run on at most `workers` threads at once, the data pool's and the data socket's
+        # (rpc/datasocket.py) together.
+        self._data_slots = threading.BoundedSemaphore(workers)
         self._stopping = False
 
     def stop_accepting(self) -> None:
@@ -126,6 +128,39 @@ class SidecarService(pb_grpc.SidecarServicer):
         """Wait for running store calls to finish."""
         for pool in self._pools.values():
             pool.shutdown(wait=True)
+
+    def in_data_slot(self, work: Callable[[], T]) -> T:
+        """Run work holding one of the data slots."""
+        with self._data_slots:
+            return work()
+
+    def refused(self, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+        """A failed call's status and reason, counted per method and logged (INTERNAL with its traceback)."""
+        code, reason = status_of(exc)
+        self.metrics.requests_rejected.labels(method, code.name).inc()
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("%s failed", method, exc_info=exc)
+        else:
+            log.debug("%s refused: %s: %s", method, code.name, reason)
+        return code, reason
+
+    def answer_frame(self, method: str, body: bytes | bytearray, session_id: str, time_left: float | None) -> Any:
+        """One data-socket call (frames.METHODS), run on the calling thread: the response message, or raises what
+        the gRPC call would have been refused with (the caller maps it with `refused`).
+
+        The connection is bound to session_id; a request naming another session is refused.
+        """
+        self.metrics.requests.labels(method).inc()
+        self.metrics.data_socket_requests.labels(method).inc()
+        request = _FRAME_REQUESTS[method](body)
+        if isinstance(request, wire.Undecodable):
+            raise BadRequest(str(request))
+        if request.session_id != session_id:
+            raise Forbidden("this data-socket connection is bound to another session: open one per session")
+        if self._stopping:
+            raise ShuttingDown("the daemon is shutting down")
+        work = getattr(type(self), method).__wrapped__(self, request, _FrameContext(time_left))
+        return self.in_data_slot(work)
 
     def refresh_health(self) -> StoreHealth:
         """Ask the store how it is (blocking; the daemon does it once a second off the event loop)."""
@@ -302,6 +337,22 @@ class SidecarService(pb_grpc.SidecarServicer):
         else:
             log.debug("%s: an item refused: %s: %s", method, code.name, reason)
         return wire.item_error(code, reason)
+
+
+class _FrameContext:
+    """What a data-socket call's handler reads of its context: the time left."""
+
+    def __init__(self, time_left: float | None) -> None:
+        self._time_left = time_left
+
+    def time_remaining(self) -> float | None:
+        return self._time_left
+
+
+_FRAME_REQUESTS: dict[str, Callable[[Any], Any]] = {
+    name: wire.lenient(getattr(pb, pb.DESCRIPTOR.services_by_name["Sidecar"].methods_by_name[name].input_type.name))
+    for name in frames.METHODS.values()
+}
 
 
 def _deadline(context: Any) -> float | None:

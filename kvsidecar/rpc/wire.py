@@ -97,13 +97,15 @@ def sidecar_handlers(
         response_cls = getattr(pb, method.output_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
-            request_deserializer=_lenient(request_cls, *limits.get(method.name, (0, ""))),
+            request_deserializer=lenient(request_cls, *limits.get(method.name, (0, ""))),
             response_serializer=response_cls.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def _lenient(cls: Any, most: int = 0, why: str = "") -> Any:
+def lenient(cls: Any, most: int = 0, why: str = "") -> Any:
+    """A parser of cls's messages answering Undecodable for garbage and Oversized past `most` bytes."""
+
     def parse(data: bytes) -> Any:
         if most and len(data) > most:
             return Oversized(cls.DESCRIPTOR.name, len(data), most, why)

@@ -148,18 +148,7 @@ class SessionRegistry:
 
         Only the process credentials that opened the session, with its side secret, may hand it descriptors.
         """
-        with self._lock:
-            session = self._sessions.get(session_id)
-        refusal = "unknown session, wrong side secret, or another uid than the one that opened the session"
-        if session is None or session.closed:
-            raise UnknownSession(refusal)
-        try:
-            sent = bytes.fromhex(secret)
-        except ValueError:
-            sent = b""
-        same_secret = hmac.compare_digest(sent, session.side_secret)
-        if not same_secret or session.caller.uid != peer.uid:
-            raise Forbidden(refusal)
+        session = self.proven(session_id, secret, peer)
         with session.lock:
             if session.closed:
                 raise UnknownSession("the session was closed")
@@ -172,6 +161,26 @@ class SessionRegistry:
             session.memfds_counted += len(fds)
             session.pending_fds.extend(fds)
             return len(session.pending_fds)
+
+    def proven(self, session_id: str, secret: str, peer: PeerCred) -> Session:
+        """The session, if peer is the uid that opened it (its ticket) and knows its side secret (hex); else raise.
+
+        What the side and data sockets accept instead of gRPC's session id alone: the secret travels only in the
+        OpenSession answer, and the kernel vouches for the uid.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+        refusal = "unknown session, wrong side secret, or another uid than the one that opened the session"
+        if session is None or session.closed:
+            raise UnknownSession(refusal)
+        try:
+            sent = bytes.fromhex(secret)
+        except ValueError:
+            sent = b""
+        same_secret = bool(session.side_secret) and hmac.compare_digest(sent, session.side_secret)
+        if not same_secret or session.caller.uid != peer.uid:
+            raise Forbidden(refusal)
+        return session
 
     def attach(self, session: Session, regions: Sequence[RegionRequest]) -> SessionMemory:
         """Map a rank's regions, claim them and register them with the store, once per session; all or nothing."""

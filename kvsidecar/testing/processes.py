@@ -119,6 +119,14 @@ class Daemon:
             body = reply.read().decode()
         return {m["method"]: float(m["value"]) for m in _REQUESTS_SAMPLE.finditer(body)}
 
+    def metric_samples(self, name: str, label: str = "") -> dict[str, float]:
+        """One metric's samples from the metrics endpoint, by the value of `label` ("" for an unlabelled one)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as reply:
+            body = reply.read().decode()
+        labels = rf'\{{[^}}]*{re.escape(label)}="(?P<value_of>[^"]*)"[^}}]*\}}' if label else ""
+        sample = re.compile(rf"^{re.escape(name)}{labels} (?P<value>\S+)$", re.M)
+        return {(m["value_of"] if label else ""): float(m["value"]) for m in sample.finditer(body)}
+
     @property
     def pid(self) -> int:
         """The daemon's PID."""
