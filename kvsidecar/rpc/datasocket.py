@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 512
 MAX_CONNECTIONS_PER_UID = 128  # a TP=8 engine's ranks keep up to 10 each; one uid never takes every slot
 HELLO_TIMEOUT_S = 2.0
+_BODY_CHUNK = 1 << 20
 
 
 class _Closed(Exception):
@@ -182,8 +183,7 @@ class DataSocket:
                         reason = f"a frame of {length} bytes: at most {self.max_message_bytes} (--max-message-bytes)"
                         _send_reply(conn, _code(BadRequest(reason)), reason.encode())
                         return
-                    body = bytearray(length)
-                    _recv_into(conn, memoryview(body))
+                    body = _recv_body(conn, length)
                     status, payload = self._call(method_id, body, session_id, time_left)
                     _send_reply(conn, status, payload)
         except _Closed:
@@ -249,6 +249,22 @@ def _recv_into(conn: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise _Closed
         view = view[n:]
+
+
+def _recv_body(conn: socket.socket, length: int) -> bytearray:
+    """A frame's body of `length` bytes, held only as it arrives: a header alone claiming --max-message-bytes on
+    every connection a uid may hold must not make the daemon allocate it."""
+    if length <= _BODY_CHUNK:
+        body = bytearray(length)
+        _recv_into(conn, memoryview(body))
+        return body
+    body = bytearray()
+    while len(body) < length:
+        chunk = conn.recv(min(_BODY_CHUNK, length - len(body)))
+        if not chunk:
+            raise _Closed
+        body += chunk
+    return body
 
 
 def _send_reply(conn: socket.socket, status: int, payload: bytes) -> None:

@@ -112,6 +112,12 @@ def _eventually_no_connections(daemon: Daemon) -> bool:
 # ---- raw frames ----
 
 
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 def open_session(daemon: Daemon) -> tuple[str, bytes]:
     """A session opened over gRPC with this process's ticket, as the client does: (id, side secret)."""
     import grpc
@@ -212,6 +218,18 @@ def test_bad_frames_get_their_reason_and_the_daemon_keeps_serving(daemon, key_pr
             status, reason = reply(sock)
             assert status == INVALID_ARGUMENT and b"--max-message-bytes" in reason
             assert sock.recv(1) == b""
+        # Headers claiming big frames cost nothing until their bytes arrive: eight of them claiming 60 MiB each.
+        rss = rss_mib(daemon.pid)
+        claims = [raw(daemon) for _ in range(8)]
+        for claim in claims:
+            send(claim, frames.HELLO, hello(session, secret))
+            assert reply(claim)[0] == frames.OK
+            send(claim, frames.METHOD_IDS["SaveBatch"], b"", length=60 << 20)
+        time.sleep(0.5)
+        grown = rss_mib(daemon.pid) - rss
+        for claim in claims:
+            claim.close()
+        assert grown < 120, f"the daemon's RSS grew {grown} MiB for 480 MiB of claimed, unsent frames"
         # A peer that connects and says nothing is closed (it holds no thread for long).
         with raw(daemon) as silent:
             silent.settimeout(10)
