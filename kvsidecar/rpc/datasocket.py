@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import os
 import socket
 import threading
 import time
@@ -25,12 +23,12 @@ from kvsidecar.errors import BadRequest, Exhausted, RequestError
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.rpc.statuses import status_of
-from kvsidecar.tenancy.tickets import PeerCred, peer_cred
+from kvsidecar.rpc.unixsocket import UnixListener
+from kvsidecar.tenancy.tickets import PeerCred
 from kvsidecar_contract import frames
 
 __all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataSocket"]
 
-log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 512
 MAX_CONNECTIONS_PER_UID = 128  # a TP=8 engine's ranks keep up to 10 each; one uid never takes every slot
@@ -42,158 +40,81 @@ class _Closed(Exception):
     """The peer closed its end (or the daemon shut the connection's read side down to stop)."""
 
 
-class DataSocket:
+class DataSocket(UnixListener):
     """The data socket's listener: a thread accepting connections, one thread serving each."""
 
+    KIND = socket.SOCK_STREAM
+    BACKLOG = 256
+    NAME = "data socket"
+    UNIT = "connections"
+    ADVICE = "use gRPC"
+    TOTAL, TOTAL_NAME = MAX_CONNECTIONS, "MAX_CONNECTIONS"
+    PER_UID, PER_UID_NAME = MAX_CONNECTIONS_PER_UID, "MAX_CONNECTIONS_PER_UID"
+
     def __init__(self, path: str, service: SidecarService, metrics: Metrics, max_message_bytes: int) -> None:
-        self.path = path
+        super().__init__(path)
         self.service = service
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._open: dict[socket.socket, int] = {}  # connection -> its peer's uid
-        self._per_uid: dict[int, int] = {}
-        self._threads: set[threading.Thread] = set()
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-
-    def bind(self, mode: int, gid: int | None) -> None:
-        """Create the socket file (private until its mode is set) and listen."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
-        try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, mode)
-        if gid is not None:
-            os.chown(self.path, -1, gid)
-        sock.listen(256)
-        sock.settimeout(0.2)  # the accept loop checks for stop this often
-        self._sock = sock
-
-    def start(self) -> None:
-        """Serve in a background thread (its connection threads share the starting thread's network namespace,
-        as the data pool's do: they call the store)."""
-        self._thread = threading.Thread(target=self._accept_loop, name="kvsidecar-data-socket", daemon=True)
-        self._thread.start()
+        self._open_lock = threading.Lock()
+        self._open: dict[socket.socket, threading.Thread] = {}
 
     def stop(self, grace: float) -> None:
         """Stop accepting and remove the socket file; calls in flight get up to `grace` s to answer, then every
         connection is closed."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._sock is not None:
-            self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        with self._lock:
-            conns, threads = list(self._open), list(self._threads)
-        for conn in conns:
+        self._stop_accepting()
+        with self._open_lock:
+            open_now = dict(self._open)
+        for conn in open_now:
             # Wakes a thread waiting for the next call; one running a call still writes its answer.
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RD)
         deadline = time.monotonic() + grace
-        for thread in threads:
+        for thread in open_now.values():
             thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def connections(self) -> int:
         """Connections open now."""
-        with self._lock:
+        with self._open_lock:
             return len(self._open)
 
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if self._stop.is_set():
-                    return
-                log.warning("data socket accept failed: %s", exc)
-                time.sleep(0.1)
-                continue
-            try:
-                peer = peer_cred(conn)
-            except OSError as exc:
-                log.debug("data socket peer gone before its credentials were read: %s", exc)
-                conn.close()
-                continue
-            busy = self._admit(conn, peer.uid)
-            if busy:
-                # The client sends its calls over gRPC instead; nothing queues behind a full socket.
-                with contextlib.suppress(OSError):
-                    conn.settimeout(HELLO_TIMEOUT_S)
-                    _send_reply(conn, _code(Exhausted(busy)), busy.encode())
-                conn.close()
-                continue
-            thread = threading.Thread(target=self._serve, args=(conn, peer), name="kvsidecar-data-conn", daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
-
-    def _admit(self, conn: socket.socket, uid: int) -> str:
-        """Count conn in; the refusal (naming the bound) when its uid's share or every slot is taken."""
-        with self._lock:
-            mine = self._per_uid.get(uid, 0)
-            if mine >= MAX_CONNECTIONS_PER_UID:
-                return (
-                    f"the data socket holds {mine} connections of uid {uid} (its share, MAX_CONNECTIONS_PER_UID): "
-                    "use gRPC"
-                )
-            if len(self._open) >= MAX_CONNECTIONS:
-                return f"the data socket holds {MAX_CONNECTIONS} connections (MAX_CONNECTIONS): use gRPC"
-            self._open[conn] = uid
-            self._per_uid[uid] = mine + 1
-        self.metrics.data_socket_connections.inc()
-        return ""
-
-    def _release(self, conn: socket.socket) -> None:
-        with self._lock:
-            uid = self._open.pop(conn)
-            left = self._per_uid.get(uid, 1) - 1
-            if left > 0:
-                self._per_uid[uid] = left
-            else:
-                self._per_uid.pop(uid, None)
-            self._threads.discard(threading.current_thread())
-        self.metrics.data_socket_connections.dec()
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        # The client sends its calls over gRPC instead; nothing queues behind a full socket.
+        conn.settimeout(HELLO_TIMEOUT_S)
+        _send_reply(conn, _code(Exhausted(reason)), reason.encode())
 
     def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
+        with self._open_lock:
+            self._open[conn] = threading.current_thread()
+        self.metrics.data_socket_connections.inc()
         try:
-            with conn:
-                conn.settimeout(HELLO_TIMEOUT_S)
-                session_id = self._hello(conn, peer)
-                if session_id is None:
-                    return
-                conn.settimeout(None)
-                header = bytearray(frames.REQUEST.size)
-                while not self._stop.is_set():
-                    _recv_into(conn, memoryview(header))
-                    length, method_id, time_left = frames.REQUEST.unpack(header)
-                    if length > self.max_message_bytes:
-                        # The stream cannot be trusted past a frame we will not read: answer and close.
-                        reason = f"a frame of {length} bytes: at most {self.max_message_bytes} (--max-message-bytes)"
-                        _send_reply(conn, _code(BadRequest(reason)), reason.encode())
-                        return
-                    body = _recv_body(conn, length)
-                    status, payload = self._call(method_id, body, session_id, time_left)
-                    _send_reply(conn, status, payload)
+            self._calls(conn, peer)
         except _Closed:
             pass
-        except OSError as exc:
-            log.debug("data socket peer gone: %s", exc)
-        except Exception:
-            log.exception("data socket connection failed")
         finally:
-            self._release(conn)
+            with self._open_lock:
+                del self._open[conn]
+            self.metrics.data_socket_connections.dec()
+
+    def _calls(self, conn: socket.socket, peer: PeerCred) -> None:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        session_id = self._hello(conn, peer)
+        if session_id is None:
+            return
+        conn.settimeout(None)
+        header = bytearray(frames.REQUEST.size)
+        while not self._stop.is_set():
+            _recv_into(conn, memoryview(header))
+            length, method_id, time_left = frames.REQUEST.unpack(header)
+            if length > self.max_message_bytes:
+                # The stream cannot be trusted past a frame we will not read: answer and close.
+                reason = f"a frame of {length} bytes: at most {self.max_message_bytes} (--max-message-bytes)"
+                _send_reply(conn, _code(BadRequest(reason)), reason.encode())
+                return
+            body = _recv_body(conn, length)
+            status, payload = self._call(method_id, body, session_id, time_left)
+            _send_reply(conn, status, payload)
 
     def _hello(self, conn: socket.socket, peer: PeerCred) -> str | None:
         """The session the connection is bound to, after answering OK; None after answering the refusal."""

@@ -330,12 +330,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         """A batch item's own refusal, counted and logged as a lone call's; session errors fail the whole batch."""
         if isinstance(exc, SESSION_ERRORS):
             raise exc
-        code, reason = status_of(exc)
-        self.metrics.requests_rejected.labels(method, code.name).inc()
-        if code is grpc.StatusCode.INTERNAL:
-            log.error("%s: an item failed", method, exc_info=exc)
-        else:
-            log.debug("%s: an item refused: %s: %s", method, code.name, reason)
+        code, reason = self.refused(method, exc)
         return wire.item_error(code, reason)
 
 

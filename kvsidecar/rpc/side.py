@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import socket
-import threading
-import time
 from collections.abc import Callable, Sequence
 
 from kvsidecar.errors import BadRequest, Exhausted, RequestError
 from kvsidecar.rpc.statuses import status_of
-from kvsidecar.tenancy.tickets import TICKET_TTL_S, PeerCred, Tickets, peer_cred
+from kvsidecar.rpc.unixsocket import UnixListener
+from kvsidecar.tenancy.tickets import TICKET_TTL_S, PeerCred, Tickets
 from kvsidecar_contract.limits import MAX_MEMFDS
 
 __all__ = ["SideChannel"]
 
-log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 4096
 MAX_HANDLERS = 16
@@ -40,130 +37,48 @@ IO_TIMEOUT_S = 2.0
 FdsHandler = Callable[[str, str, PeerCred, Sequence[int]], int]
 
 
-class SideChannel:
+class SideChannel(UnixListener):
     """The side socket's listener: a thread accepting connections, one short-lived handler thread each."""
 
+    KIND = socket.SOCK_SEQPACKET
+    NAME = "side socket"
+    UNIT = "requests"
+    TOTAL, TOTAL_NAME = MAX_HANDLERS, "MAX_HANDLERS"
+    PER_UID, PER_UID_NAME = MAX_HANDLERS_PER_UID, "MAX_HANDLERS_PER_UID"
+
     def __init__(self, path: str, tickets: Tickets, on_fds: FdsHandler) -> None:
-        self.path = path
+        super().__init__(path)
         self.tickets = tickets
         self._on_fds = on_fds
-        self._stop = threading.Event()
-        self._slots_lock = threading.Lock()
-        self._busy = 0
-        self._busy_of: dict[int, int] = {}
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-
-    def bind(self, mode: int, gid: int | None) -> None:
-        """Create the socket file (private until its mode is set) and listen."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
-        try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, mode)
-        if gid is not None:
-            os.chown(self.path, -1, gid)
-        sock.listen(64)
-        sock.settimeout(0.2)  # the accept loop checks for stop this often
-        self._sock = sock
-
-    def start(self) -> None:
-        """Serve in a background thread."""
-        self._thread = threading.Thread(target=self._accept_loop, name="kvsidecar-side", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
         """Stop accepting and remove the socket file."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._sock is not None:
-            self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._stop_accepting()
 
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if self._stop.is_set():
-                    return
-                log.warning("side socket accept failed: %s", exc)
-                time.sleep(0.1)
-                continue
-            try:
-                peer = peer_cred(conn)
-            except OSError as exc:
-                log.debug("side socket peer gone before its credentials were read: %s", exc)
-                conn.close()
-                continue
-            busy = self._take_slot(peer.uid)
-            if busy:
-                # Busy with slow peers: refuse rather than queue behind them.
-                with contextlib.suppress(OSError):
-                    conn.send(_answer(False, busy, code="RESOURCE_EXHAUSTED"))
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="kvsidecar-side-conn", daemon=True).start()
-
-    def _take_slot(self, uid: int) -> str:
-        """Take a handler slot for uid; the refusal (naming the share) when its share or all slots are busy."""
-        with self._slots_lock:
-            mine = self._busy_of.get(uid, 0)
-            if mine >= MAX_HANDLERS_PER_UID:
-                return (
-                    f"the side socket is busy with {mine} requests of uid {uid} (its share, MAX_HANDLERS_PER_UID): "
-                    "try again"
-                )
-            if self._busy >= MAX_HANDLERS:
-                return f"the side socket is busy ({MAX_HANDLERS} requests, MAX_HANDLERS): try again"
-            self._busy += 1
-            self._busy_of[uid] = mine + 1
-            return ""
-
-    def _give_slot(self, uid: int) -> None:
-        with self._slots_lock:
-            self._busy -= 1
-            left = self._busy_of.get(uid, 1) - 1
-            if left > 0:
-                self._busy_of[uid] = left
-            else:
-                self._busy_of.pop(uid, None)
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        # Busy with slow peers: refuse rather than queue behind them.
+        conn.send(_answer(False, reason, code="RESOURCE_EXHAUSTED"))
 
     def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
         fds: list[int] = []
         try:
-            with conn:
-                conn.settimeout(IO_TIMEOUT_S)
-                msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, MAX_MEMFDS)
-                try:
-                    if flags & socket.MSG_TRUNC:
-                        raise BadRequest(f"request too large: at most {MAX_REQUEST_BYTES} bytes")
-                    if flags & socket.MSG_CTRUNC:
-                        raise _fds_truncated(len(fds))
-                    reply = self._handle(msg, fds, peer)
-                    fds = []  # handed over: the session owns them now
-                except RequestError as exc:
-                    code, reason = status_of(exc)
-                    reply = _answer(False, reason, code=code.name)
-                conn.send(reply)
-        except OSError as exc:
-            log.debug("side socket peer gone: %s", exc)
-        except Exception:
-            log.exception("side socket request failed")
+            conn.settimeout(IO_TIMEOUT_S)
+            msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, MAX_MEMFDS)
+            try:
+                if flags & socket.MSG_TRUNC:
+                    raise BadRequest(f"request too large: at most {MAX_REQUEST_BYTES} bytes")
+                if flags & socket.MSG_CTRUNC:
+                    raise _fds_truncated(len(fds))
+                reply = self._handle(msg, fds, peer)
+                fds = []  # handed over: the session owns them now
+            except RequestError as exc:
+                code, reason = status_of(exc)
+                reply = _answer(False, reason, code=code.name)
+            conn.send(reply)
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            self._give_slot(peer.uid)
 
     def _handle(self, msg: bytes, fds: list[int], peer: PeerCred) -> bytes:
         try:
