@@ -7,7 +7,6 @@ against the region it falls in, and a mapping is unmapped only when no store cal
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,11 +16,7 @@ from kvsidecar.memory.mappings import Mapping
 from kvsidecar.values import Handle, RegionRequest
 from kvsidecar_contract.limits import MAX_REGIONS
 
-__all__ = ["CHECK_INTERVAL_S", "MappingOpener", "Region", "SessionMemory"]
-
-# How often a session's mappings are checked for pages their owner took away (holes punched in a memfd): a store
-# call starting later than this after the last check checks them again first.
-CHECK_INTERVAL_S = 0.05
+__all__ = ["MappingOpener", "Region", "SessionMemory"]
 
 
 class MappingOpener(Protocol):
@@ -83,7 +78,6 @@ class SessionMemory:
             raise BadRequest(f"groups {missing} have no region: every group needs at least one")
         keys = [opener.key(i, r.handle) for i, r in enumerate(regions)]
         self._lock = threading.Condition()
-        self._checked_until = 0.0  # time.monotonic() until which the mappings count as checked
         self._in_flight = 0
         self._closed = False
         # Views of one segment share its mapping, opened once at the largest size any of them needs.
@@ -159,12 +153,8 @@ class SessionMemory:
         with self._lock:
             if self._closed:
                 raise BadRequest("the session's memory is being released")
-            now = time.monotonic()
-            if now >= self._checked_until:
-                # One fstat per mapping (61 for an MLA model): once per interval, not once per request.
-                for m in self.mappings.values():
-                    m.check()
-                self._checked_until = now + CHECK_INTERVAL_S
+            for m in self.mappings.values():
+                m.check()
             self._in_flight += 1
 
     def release(self) -> None:

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from kvsidecar.memory.regions import CHECK_INTERVAL_S
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, SidecarError, shared_tensor
 from kvsidecar_client import memory as client_memory
 from kvsidecar_client.memory import Segment, segment_of
@@ -204,7 +203,6 @@ class Engine:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
         assert libc.fallocate(segment.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, segment.size) == 0
-        time.sleep(CHECK_INTERVAL_S)  # the daemon checks a session's memory at most this often
         return self.save("punched", 2)
 
     def park(self, prefix: str, sessions: int) -> dict[str, Any]:
