@@ -80,6 +80,7 @@ class DataSocket:
             except _Stale:
                 conn.close()
                 self._forget(conn)
+                self._drop_idle()  # kept from the same daemon: a restarted one closed them all
                 if fresh or attempt:
                     reason = f"data socket {self.path}: the daemon closed the connection"
                     raise DaemonUnavailable(reason, method=method) from None
@@ -99,6 +100,10 @@ class DataSocket:
         """Close every idle connection; those in use close when their call ends."""
         with self._lock:
             self._closed = True
+        self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
             idle, self._idle = self._idle, []
             self._count -= len(idle)
         for conn in idle:

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -296,18 +297,41 @@ def test_another_uid_with_the_secret_is_refused(mooncake_master):
             assert daemon.stop() == 0, daemon.log()
 
 
+def hold_connections(daemon: Daemon, client: SidecarClient, kv: torch.Tensor, n: int) -> None:
+    """Make the client keep at least n data-socket connections, by loading from n threads at once."""
+    hashes = chained_hashes("held", 1)
+    assert client.save(hashes, [[0]], U).result(timeout=60).failed == 0
+    hit = client.lookup(hashes, U + 1)
+    for _ in range(50):
+        if daemon.metric_samples("kvsidecar_data_socket_connections", "")[""] >= n:
+            return
+        start = threading.Barrier(n)
+
+        def load(start: threading.Barrier = start) -> None:
+            start.wait()
+            client.load(hashes, [[NUM_BLOCKS - 1]], hit)
+
+        threads = [threading.Thread(target=load) for _ in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    raise AssertionError(f"the client never held {n} connections")
+
+
 def test_a_restarted_daemon_is_reached_again_and_stopping_waits_for_nobody_idle(mooncake_master, tmp_path, key_prefix):
     first = Daemon(tmp_path, master=mooncake_master.address).start()
     client, kv = connect(first, key_prefix)
     try:
-        round_trip(client, kv, "before the restart")  # the client now holds an idle connection
+        round_trip(client, kv, "before the restart")
+        hold_connections(first, client, kv, 3)  # several idle connections, all of which the restart kills
         started = time.monotonic()
         assert first.stop() == 0, first.log()
         assert time.monotonic() - started < 8, "an idle data-socket connection must not hold the daemon's stop"
         second = Daemon(tmp_path, master=mooncake_master.address).start()
         try:
-            # The first call finds its connection dead, replaces it, is told the session is gone, re-opens and
-            # registers again, and is sent again: one call, no error to the engine.
+            # The first call finds its connection dead, drops every kept one (the same daemon's), opens one, is told
+            # the session is gone, re-opens and registers again, and is sent again: one call, no error to the engine.
             round_trip(client, kv, "after the restart")
             assert data_requests(second).get("Save", 0) >= 1
         finally:
