@@ -60,8 +60,8 @@ class DataSocket(UnixListener):
         self._open: dict[socket.socket, threading.Thread] = {}
 
     def stop(self, grace: float) -> None:
-        """Stop accepting and remove the socket file; calls in flight get up to `grace` s to answer, then every
-        connection is closed."""
+        """Stop accepting and remove the socket file; idle connections end at once, calls in flight get up to
+        `grace` s to answer (the daemon then goes on stopping; the store waits for calls still in it)."""
         self._stop_accepting()
         with self._open_lock:
             open_now = dict(self._open)
