@@ -26,7 +26,6 @@ __all__ = ["LOOPBACK", "Daemon", "ProcessError", "StorageNode", "free_port", "st
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
-_REQUESTS_SAMPLE = re.compile(r'^kvsidecar_requests_total\{method="(?P<method>\w+)"\} (?P<value>\S+)$', re.M)
 
 
 class ProcessError(RuntimeError):
@@ -114,10 +113,8 @@ class Daemon:
         return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
 
     def requests_by_method(self) -> dict[str, float]:
-        """Requests the daemon received, by gRPC method (kvsidecar_requests_total), from its metrics endpoint."""
-        with urllib.request.urlopen(self.metrics_url, timeout=30) as reply:
-            body = reply.read().decode()
-        return {m["method"]: float(m["value"]) for m in _REQUESTS_SAMPLE.finditer(body)}
+        """Requests the daemon received, by method (kvsidecar_requests_total), from its metrics endpoint."""
+        return self.metric_samples("kvsidecar_requests_total", "method")
 
     def metric_samples(self, name: str, label: str = "") -> dict[str, float]:
         """One metric's samples from the metrics endpoint, by the value of `label` ("" for an unlabelled one)."""
