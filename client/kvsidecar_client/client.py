@@ -42,6 +42,7 @@ from kvsidecar_client.results import Hit, LoadResult, Registration, SessionInfo
 from kvsidecar_client.saves import SaveSender
 from kvsidecar_client.session import SessionKeeper, remaining
 from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
@@ -248,7 +249,14 @@ class SidecarClient:
         degraded miss (hit_tokens 0, degraded True) instead of raising DaemonUnavailable: the engine recomputes.
         """
         self._keeper.check_open("Lookup")
-        request = _request("Lookup", pb.LookupRequest, block_hashes=block_hashes, num_tokens=num_tokens, eagle=eagle)
+        info = self.session_info
+        if info is not None and info.packed_hashes:
+            # One field instead of one per hash: a 128k-token prompt's 8192 hashes cost ~0.1 ms to send, not ~0.9.
+            # (A daemon older than packed_hashes, reached after a restart, would read no hashes: a miss.)
+            hashes: dict[str, Any] = {"packed_block_hashes": _packed(block_hashes, self._spec.hash_bytes)}
+        else:
+            hashes = {"block_hashes": block_hashes}
+        request = _request("Lookup", pb.LookupRequest, num_tokens=num_tokens, eagle=eagle, **hashes)
         try:
             response = self._keeper.call("Lookup", request, self._deadlines.lookup if timeout is None else timeout)
         except DaemonUnavailable as error:
@@ -443,6 +451,13 @@ def _request(method: str, message: Any, **fields: Any) -> Any:
         return message(**fields)
     except (TypeError, ValueError) as error:
         raise InvalidRequest(f"bad {method} request: {error}", method=method) from None
+
+
+def _packed(block_hashes: Sequence[bytes], hash_bytes: int) -> bytes:
+    try:
+        return PackedHashes.of(block_hashes, hash_bytes).data
+    except (TypeError, ValueError) as error:
+        raise InvalidRequest(f"bad Lookup request: {error}", method="Lookup") from None
 
 
 def _unique(names: Sequence[str], method: str) -> None:

@@ -120,6 +120,7 @@ class SessionInfo(NamedTuple):
     groups: tuple[GroupPlacement, ...]
     daemon_version: str
     tenant: str = ""  # the tenant the daemon put the session in ("" single-tenant)
+    packed_hashes: bool = False  # the daemon reads a Lookup's hashes packed into one field
 
     @classmethod
     def from_proto(cls, message: pb.OpenSessionResponse) -> SessionInfo:
@@ -142,4 +143,5 @@ class SessionInfo(NamedTuple):
             groups,
             message.daemon_version,
             message.tenant,
+            message.packed_hashes,
         )

@@ -42,7 +42,7 @@ from kvsidecar_contract.limits import (
     MAX_MODEL_CHARS,
     MAX_NAME_CHARS,
 )
-from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, Parallel
+from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, PackedHashes, Parallel
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
@@ -286,8 +286,24 @@ def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs
 
 
 def lookup_args(req: pb.LookupRequest, hash_bytes: int) -> LookupArgs:
-    """One Lookup request's values."""
+    """One Lookup request's values: its hashes as sent, a list or packed (only those probed become objects)."""
+    if req.packed_block_hashes:
+        if req.block_hashes:
+            raise BadRequest("block_hashes and packed_block_hashes are both set: send the hashes one way")
+        return LookupArgs(packed_hashes(req.packed_block_hashes, hash_bytes), req.num_tokens, req.eagle)
     return LookupArgs(hashes(req.block_hashes, hash_bytes), req.num_tokens, req.eagle)
+
+
+def packed_hashes(data: bytes, hash_bytes: int) -> PackedHashes:
+    """Block hashes sent back to back: a whole number of the session's hash_bytes, at most MAX_HASHES of them."""
+    if len(data) % hash_bytes:
+        raise BadRequest(
+            f"packed_block_hashes holds {len(data)} bytes, not a whole number of {hash_bytes}-byte hashes "
+            "(the session's hash_bytes)"
+        )
+    if len(data) // hash_bytes > MAX_HASHES:
+        raise BadRequest(f"at most {MAX_HASHES} block hashes per request, got {len(data) // hash_bytes}")
+    return PackedHashes(data, hash_bytes)
 
 
 def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs:
@@ -334,6 +350,7 @@ def open_response(
         daemon_version=__version__,
         side_secret=side_secret,
         tenant=tenant,
+        packed_hashes=True,
     )
 
 

@@ -24,6 +24,7 @@ from kvsidecar_contract.placement.keys import (
 )
 from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, kind_of, parse_group, parse_groups
 from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
+from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.placement.spans import Spans, fine_grained, load_spans, save_spans
 from kvsidecar_contract.placement.staged import StagedLookup
 
@@ -41,6 +42,7 @@ __all__ = [
     "Kind",
     "Layout",
     "LookupPlan",
+    "PackedHashes",
     "Parallel",
     "PlacementError",
     "SavePlan",

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+from kvsidecar_contract.placement.packed import PackedHashes
 
 __all__ = [
     "FORMAT_TAG",
@@ -77,6 +79,8 @@ def block_key(prefix: str, block_hash: bytes) -> str:
     return f"{prefix}@{block_hash.hex()}"
 
 
-def hash_suffixes(block_hashes: list[bytes] | tuple[bytes, ...]) -> list[str]:
+def hash_suffixes(block_hashes: Sequence[bytes]) -> list[str]:
     """`@<hex>` for every hash, computed once per request so keys are one concatenation each."""
+    if isinstance(block_hashes, PackedHashes):
+        return block_hashes.suffixes()
     return ["@" + h.hex() for h in block_hashes]

@@ -59,7 +59,7 @@ class Hit(NamedTuple):
 def lookup_plan(geo: Geometry, block_hashes: Sequence[bytes], num_tokens: int) -> LookupPlan:
     """The probe keys for a prompt of num_tokens tokens with its chained block hashes."""
     n = check_probe_count(geo, len(block_hashes), num_tokens)
-    suffixes = hash_suffixes(list(block_hashes[:n]))
+    suffixes = hash_suffixes(block_hashes[:n])
     keys: list[str] = []
     segments = []
     for group in geo.groups:

@@ -138,7 +138,7 @@ class StagedLookup:
     def _suffixes_for(self, idx: range) -> list[str]:
         """`@<hex>` of the hashes at idx, each computed once per lookup (stages and groups share them)."""
         if idx.stop > len(self._suffixes):
-            self._suffixes += hash_suffixes(list(self._hashes[len(self._suffixes) : idx.stop]))
+            self._suffixes += hash_suffixes(self._hashes[len(self._suffixes) : idx.stop])
         return self._suffixes[idx.start : idx.stop : idx.step]
 
     def _stage_two_end(self, g: GroupGeometry) -> int:

@@ -118,7 +118,7 @@ class GroupPlacement(_message.Message):
     def __init__(self, replication_factor: _Optional[int] = ..., shard_id: _Optional[int] = ..., keys_per_boundary: _Optional[int] = ..., span_tokens: _Optional[int] = ..., shared_across_tp: _Optional[bool] = ..., values_per_block: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "lease_ms", "hit_alignment_tokens", "fine_grained_hits", "groups", "daemon_version", "side_secret", "tenant")
+    __slots__ = ("session_id", "lease_ms", "hit_alignment_tokens", "fine_grained_hits", "groups", "daemon_version", "side_secret", "tenant", "packed_hashes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     HIT_ALIGNMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class OpenSessionResponse(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIDE_SECRET_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_ms: int
     hit_alignment_tokens: int
@@ -135,7 +136,8 @@ class OpenSessionResponse(_message.Message):
     daemon_version: str
     side_secret: bytes
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupPlacement, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., side_secret: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    packed_hashes: bool
+    def __init__(self, session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., hit_alignment_tokens: _Optional[int] = ..., fine_grained_hits: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupPlacement, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., side_secret: _Optional[bytes] = ..., tenant: _Optional[str] = ..., packed_hashes: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("name",)
@@ -286,16 +288,18 @@ class SaveResponse(_message.Message):
     def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., striped_to_others: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ..., absent: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "block_hashes", "num_tokens", "eagle")
+    __slots__ = ("session_id", "block_hashes", "num_tokens", "eagle", "packed_block_hashes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EAGLE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
     eagle: bool
-    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., eagle: _Optional[bool] = ...) -> None: ...
+    packed_block_hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., eagle: _Optional[bool] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_tokens", "tail_boundaries", "degraded", "detail")

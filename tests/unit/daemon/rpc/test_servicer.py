@@ -198,6 +198,11 @@ def test_a_lookup_is_answered_from_the_data_path():
     )
     assert (answer.hit_tokens, answer.degraded) == (0, False)
     assert sample(svc, "kvsidecar_lookup_requests_total", {"outcome": "miss"}) == 1
+    packed = pb.LookupRequest(session_id=scheduler.session_id, packed_block_hashes=b"\x01" * 32, num_tokens=17)
+    assert call(svc.Lookup, packed).hit_tokens == 0
+    packed.block_hashes.append(b"\x01" * 32)
+    err = refused(svc.Lookup, packed)
+    assert err.code is grpc.StatusCode.INVALID_ARGUMENT and "both set" in err.details
 
 
 def test_a_lookup_past_the_per_call_limit_is_refused_naming_it():

@@ -21,7 +21,7 @@ from kvsidecar.values import (
     SessionSummary,
     ShmHandle,
 )
-from kvsidecar_contract.placement import Geometry, GroupSpec, Hit, Kind, Layout, Parallel
+from kvsidecar_contract.placement import Geometry, GroupSpec, Hit, Kind, Layout, PackedHashes, Parallel
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 CUDA = pb.CudaIpcHandle(
@@ -77,6 +77,7 @@ def test_open_response_carries_the_placement():
     geo = Geometry.of(layout)
     out = wire.open_response("sid", 7.5, geo)
     assert (out.session_id, out.lease_ms, out.daemon_version) == ("sid", 7500, __version__)
+    assert out.packed_hashes  # the client may send a Lookup's hashes in one field
     assert (out.hit_alignment_tokens, out.fine_grained_hits) == (geo.unit, geo.fine_grained)
     assert [(g.replication_factor, g.shard_id, g.keys_per_boundary, g.span_tokens) for g in out.groups] == [
         (g.factor, g.shard, g.keys_per_boundary, g.span) for g in geo.groups
@@ -133,6 +134,19 @@ def test_stats_response_shows_each_session():
     )
     assert (info.parallel.tp_size, info.parallel.tp_rank, info.parallel.pp_rank, info.parallel.dcp_size) == (4, 3, 1, 2)
     assert (info.mapped_bytes, info.age_seconds) == (0, 1.5)
+
+
+def test_packed_hashes_are_read_whole_or_refused_with_the_reason():
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    args = wire.lookup_args(pb.LookupRequest(packed_block_hashes=b"".join(hashes), num_tokens=49), 32)
+    assert isinstance(args.hashes, PackedHashes) and list(args.hashes) == hashes and args.num_tokens == 49
+    assert list(wire.lookup_args(pb.LookupRequest(block_hashes=hashes, num_tokens=49), 32).hashes) == hashes
+    with pytest.raises(BadRequest, match="holds 95 bytes, not a whole number of 32-byte hashes"):
+        wire.lookup_args(pb.LookupRequest(packed_block_hashes=b"".join(hashes)[:-1], num_tokens=49), 32)
+    with pytest.raises(BadRequest, match="both set: send the hashes one way"):
+        wire.lookup_args(pb.LookupRequest(block_hashes=hashes, packed_block_hashes=hashes[0], num_tokens=49), 32)
+    with pytest.raises(BadRequest, match=f"at most {wire.MAX_HASHES} block hashes per request"):
+        wire.packed_hashes(b"x" * (wire.MAX_HASHES + 1), 1)
 
 
 def test_hashes_of_the_wrong_length_are_named():
