@@ -3,9 +3,10 @@
 Layout: T=8, H=8, groups [mla, full_attention, mamba], 16-token blocks: 17 namespaces per boundary. Eight rank
 sessions first save the blocks of a case through the daemon (tiny values: a lookup only asks whether keys exist):
 every block (a full hit) at every length, and at the longest length also the first 10% (a 10% hit) and none (a
-miss). Then three things take turns: a scheduler session's Lookup; the raw checks of the keys the daemon probes,
-stage by stage as the daemon makes them (the contract's StagedLookup fed by raw batch_is_exist, only the calls
-timed); and one raw check of every key, the cost a lookup probing everything can never go under.
+miss). Then three things take turns: a scheduler session's Lookup; the same staged lookup made in this process
+(the contract's StagedLookup fed by raw batch_is_exist: timed whole, the in-process bound, and its calls alone, the
+raw checks of the keys the daemon probes); and one raw check of every key, the cost a lookup probing everything can
+never go under.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class LookupPoint:
     probed: int = 0  # keys the staged lookup asks
     daemon: Samples = field(default_factory=Samples)
     raw: Samples = field(default_factory=Samples)  # raw checks of the keys the daemon probes, stage by stage
+    # The same staged lookup made in this process (keys built here, then the raw checks): what a lookup costs an
+    # engine that links Mooncake itself, the daemon's bound.
+    in_process: Samples = field(default_factory=Samples)
     every: Samples = field(default_factory=Samples)  # one raw check of every key
     placement: Samples = field(default_factory=Samples)  # the staged plan and hit fixed point, in this process
 
@@ -60,6 +64,11 @@ class LookupPoint:
     def overhead(self) -> float:
         """(daemon p50 - raw p50) / raw p50: the daemon's own cost over the store calls it makes."""
         return self.daemon.median_s / self.raw.median_s - 1
+
+    @property
+    def of_in_process(self) -> float:
+        """daemon p50 / the same staged lookup made in-process."""
+        return self.daemon.median_s / self.in_process.median_s
 
     @property
     def of_every(self) -> float:
@@ -105,8 +114,10 @@ def _populate(daemon: Daemon, hashes: list[bytes], tokens: int) -> None:
                 raise BenchError(f"populating lookup keys: rank {rank} failed to save {result.failed} values")
 
 
-def _staged(geo: Geometry, hashes: list[bytes], tokens: int, raw: DirectClient) -> tuple[int, float, int]:
-    """The daemon's stages against the raw check: (hit tokens, seconds in the raw calls, keys probed)."""
+def _staged(geo: Geometry, hashes: list[bytes], tokens: int, raw: DirectClient) -> tuple[int, float, int, float]:
+    """The daemon's stages against the raw check: (hit tokens, seconds in the raw calls, keys probed, seconds in
+    all: the keys built here and the calls)."""
+    start = time.perf_counter()
     staged = StagedLookup(geo, hashes, tokens)
     seconds = 0.0
     while not staged.done:
@@ -115,7 +126,7 @@ def _staged(geo: Geometry, hashes: list[bytes], tokens: int, raw: DirectClient) 
         found = raw.exist(keys) if keys else []
         seconds += time.perf_counter() - t0
         staged.record([f == 1 for f in found])
-    return staged.answer().tokens, seconds, staged.probes
+    return staged.answer().tokens, seconds, staged.probes, time.perf_counter() - start
 
 
 def measure_lookups(
@@ -140,7 +151,7 @@ def measure_lookups(
             stored = int(len(hashes) * CASES[case])
             _populate(daemon, hashes[:stored], stored * BLOCK_TOKENS)
             plan = lookup_plan(geo, hashes, tokens)
-            expected_tokens, _, probed = _staged(geo, hashes, tokens, raw)
+            expected_tokens, _, probed, _ = _staged(geo, hashes, tokens, raw)
             every = compute_hit(geo, tokens, plan.stored([f == 1 for f in raw.exist(plan.keys)])).tokens
             if expected_tokens != every:
                 raise BenchError(f"{case} lookup of {tokens} tokens: staged hit {expected_tokens}, probing all {every}")
@@ -157,9 +168,11 @@ def measure_lookups(
                             if hit.hit_tokens != expected_tokens or hit.degraded:
                                 raise BenchError(f"{case} lookup of {tokens} tokens: {hit}, expected {expected_tokens}")
                         elif which == "raw":
-                            got, seconds, _ = _staged(geo, hashes, tokens, raw)
+                            got, seconds, _, in_all = _staged(geo, hashes, tokens, raw)
                             if got != expected_tokens:
                                 raise BenchError(f"raw staged {case} lookup of {tokens} tokens hit {got}")
+                            if record:
+                                point.in_process.add(in_all)
                         else:
                             t0 = time.perf_counter()
                             found = raw.exist(plan.keys)

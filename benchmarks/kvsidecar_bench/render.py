@@ -147,6 +147,8 @@ def _lookup_md(doc: dict[str, Any]) -> list[str]:
             ("keys probed / all", lambda lp: f"{lp.get('probed', lp['keys'])} / {lp['keys']}"),
             ("daemon p50", lambda lp: _f(lp["daemon"]["p50_ms"])),
             ("daemon p99", lambda lp: _f(lp["daemon"]["p99_ms"])),
+            ("in-process p50", lambda lp: _f(lp.get("in_process", {}).get("p50_ms"))),
+            ("daemon / in-process", lambda lp: _f(lp.get("of_in_process"), 3)),
             ("raw probed p50", lambda lp: _f(lp["raw"]["p50_ms"])),
             ("raw every key p50", lambda lp: _f(lp.get("every", {}).get("p50_ms"))),
             ("overhead (p50)", lambda lp: _f(100 * lp["overhead"], 1) + "%" if lp["overhead"] is not None else "-"),

@@ -143,6 +143,8 @@ def to_json(results: Results) -> dict[str, Any]:
                 "every": _latency(lp.every),
                 "overhead": _num(lp.overhead),
                 "of_every": _num(lp.of_every),
+                "in_process": _latency(lp.in_process),
+                "of_in_process": _num(lp.of_in_process),
             }
         )
     for sp in results.scaling:
@@ -339,7 +341,7 @@ def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
         case = lp.get("case", "full hit")
         k = f"{lp['tokens'] // 1024}k tokens"
         if lp["tokens"] == longest and lp.get("of_every") is not None:
-            target = {"miss": 0.05, "10% hit": 0.2, "full hit": 1.05}[case]
+            target = {"miss": 0.05, "10% hit": 0.15, "full hit": 1.05}[case]
             sign = "<=" if case == "full hit" else "<"
             met = lp["of_every"] <= target if case == "full hit" else lp["of_every"] < target
             rows.append(
@@ -352,16 +354,23 @@ def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     met,
                 )
             )
-        if lp["tokens"] == longest and case == "full hit" and lp.get("every", {}).get("p50_ms"):
+        if lp["tokens"] == longest and case != "miss" and lp.get("every", {}).get("p50_ms"):
+            # The floor under the daemon: the raw checks of exactly the keys it must probe, nothing else.
             r = lp["raw"]["p50_ms"] / lp["every"]["p50_ms"]
             rows.append(
                 _row(
+                    g3, f"lookup, {case}, {k}: raw checks of the stages / probing every key", every, r, "(bound)", None
+                )
+            )
+        if lp.get("of_in_process") is not None and (lp["tokens"] == longest or case == "full hit"):
+            rows.append(
+                _row(
                     g3,
-                    f"lookup, full hit, {k}: raw checks of the stages / probing every key",
-                    every,
-                    r,
-                    "<= 1.05",
-                    r <= 1.05,
+                    f"lookup, {case}, {k}: daemon / the same staged lookup in-process",
+                    "StagedLookup and raw batch_is_exist in the bench's process",
+                    lp["of_in_process"],
+                    "(bound)",
+                    None,
                 )
             )
         if case == "full hit" and lp["overhead"] is not None:

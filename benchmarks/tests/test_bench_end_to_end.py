@@ -84,6 +84,8 @@ def test_lookup_scaling_and_report_structure(report):
     lookup = cases["full hit"]
     assert lookup["tokens"] == 256 and lookup["hit_tokens"] == 240 and lookup["keys"] == 16 * 17
     assert len(lookup["daemon"]["seconds"]) == 2 and len(lookup["raw"]["seconds"]) == 2
+    # The in-process lookup is the raw calls and the keys built for them: never quicker than the calls alone.
+    assert all(a >= b for a, b in zip(lookup["in_process"]["seconds"], lookup["raw"]["seconds"], strict=True))
     # A full hit probes everything that can matter (the boundary at the last token cannot).
     assert len(lookup["every"]["seconds"]) == 2 and lookup["keys"] - 17 <= lookup["probed"] <= lookup["keys"]
     assert cases["miss"]["hit_tokens"] == 0 and cases["miss"]["probed"] < lookup["keys"]

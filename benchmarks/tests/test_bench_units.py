@@ -136,6 +136,8 @@ def _doc() -> dict:
         "probed": 10,
         "of_every": 1.05,
         "placement": _latency(0.1),
+        "in_process": _latency(1.2),
+        "of_in_process": 0.875,
     }
     volume = {
         "case": "MLA, T=8",
@@ -166,6 +168,9 @@ def test_headline_ratios_and_targets():
     assert rows["MLA load (64 blocks): daemon / in-process"]["met"] is False
     assert rows["lookup overhead over the raw existence check, 32k tokens"]["met"] is True
     assert rows["lookup, full hit, 32k tokens: daemon / probing every key"]["met"] is True
+    bound = rows["lookup, full hit, 32k tokens: daemon / the same staged lookup in-process"]
+    assert (bound["value"], bound["met"], bound["target"]) == (0.875, None, "(bound)")
+    assert rows["lookup, full hit, 32k tokens: raw checks of the stages / probing every key"]["met"] is None
     assert rows["a step of 32 requests: one batched call / 32 calls"]["met"] is False  # not measured: not met
     assert all(r["goal"] and r["peer"] for r in rows.values())
     assert rows["write volume MLA, T=8: daemon"]["met"] is True

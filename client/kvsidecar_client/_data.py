@@ -1,4 +1,4 @@
-"""The daemon's data socket: Save, Load and their batches without gRPC (`kvsidecar_contract.frames`).
+"""The daemon's data socket: Save, Load, their batches and Lookup without gRPC (`kvsidecar_contract.frames`).
 
 Connections are kept per client and bound to its current session (a HELLO with the session's side secret); a call
 takes an idle one (or opens one, up to MAX_CONNECTIONS), writes its frame and reads the answer on the calling thread.
@@ -37,6 +37,7 @@ _RESPONSES: dict[str, Any] = {
     "SaveBatch": pb.SaveBatchResponse,
     "Load": pb.LoadResponse,
     "LoadBatch": pb.LoadBatchResponse,
+    "Lookup": pb.LookupResponse,
 }
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 

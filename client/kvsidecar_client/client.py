@@ -110,8 +110,8 @@ class SidecarClient:
         `value_identity` says what the engine's bytes mean beyond the model's name (docs/values.md); engines whose
         identities differ never share a value. `share_across_tp` stores the groups that allow it for every TP size
         (docs/placement.md rule 11): True per KV head, an int N as a TP=N engine holds its heads; every session of
-        the engine must say the same. `data_socket`: send saves and loads over the daemon's data socket where it
-        has one (a Unix-socket daemon; without the socket, or with False, they go over gRPC).
+        the engine must say the same. `data_socket`: send saves, loads and lookups over the daemon's data socket
+        where it has one (a Unix-socket daemon; without the socket, or with False, they go over gRPC).
         """
         spec = SessionSpec(
             model=model,

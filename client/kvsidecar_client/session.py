@@ -89,7 +89,7 @@ class SessionKeeper:
     ) -> None:
         self.channel = channel
         self.side = side  # the daemon's side socket (Unix-socket daemons): tickets and memfd passing
-        self.data = data  # the daemon's data socket (Unix-socket daemons): saves and loads without gRPC
+        self.data = data  # the daemon's data socket (Unix-socket daemons): saves, loads, lookups without gRPC
         self.stub = SidecarStub(channel)
         self.spec = spec
         self.deadlines = deadlines
@@ -200,8 +200,8 @@ class SessionKeeper:
         wait_for_ready: bool = False,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> Any:
-        """One call, its failure mapped into the client's exceptions; saves and loads go over the data socket
-        where the daemon has one for this session."""
+        """One call, its failure mapped into the client's exceptions; saves, loads and lookups go over the data
+        socket where the daemon has one for this session."""
         session = self._session
         if self.data is not None and method in METHOD_IDS and session is not None and session.id == request.session_id:
             try:

@@ -1,6 +1,7 @@
-"""The data socket's frames: Save, Load and their batches as length-prefixed protobuf messages on a Unix stream.
+"""The data socket's frames: Save, Load, their batches and Lookup as length-prefixed protobuf messages on a Unix
+stream.
 
-gRPC stays the control plane (sessions, registration, lookups, stats). An engine's saves and loads are small and
+gRPC stays the control plane (sessions, registration, stats). An engine's saves, loads and lookups are small and
 many, and a gRPC call costs 0.5-0.7 ms of round trip and several threads on each side; on the data socket a call is
 one write and one read on a connection the client keeps, answered on the daemon thread that read it
 (docs/benchmarks/perf-changes.md).
@@ -30,5 +31,5 @@ OK = 0
 MAX_HELLO_BYTES = 1024
 
 # The calls the data socket carries (by id on the wire); every other method is gRPC's alone.
-METHODS: dict[int, str] = {1: "Save", 2: "SaveBatch", 3: "Load", 4: "LoadBatch"}
+METHODS: dict[int, str] = {1: "Save", 2: "SaveBatch", 3: "Load", 4: "LoadBatch", 5: "Lookup"}
 METHOD_IDS: dict[str, int] = {name: number for number, name in METHODS.items()}

@@ -1,4 +1,5 @@
-"""The data socket next to the gRPC one: an engine rank's saves and loads without gRPC (`kvsidecar_contract.frames`).
+"""The data socket next to the gRPC one: an engine's saves, loads and lookups without gRPC
+(`kvsidecar_contract.frames`).
 
 Each connection is bound to one session by its first frame (the session's side secret, from the uid that opened it)
 and served by one daemon thread that reads a call, runs it through the servicer to the store and writes the answer:
@@ -8,7 +9,7 @@ refusal carries the same code and reason.
 A local account cannot starve the daemon through it: connections are bounded in all and per uid (one uid holds at
 most its share; a refused client sends its calls over gRPC), a connection that does not say hello in time is
 closed, a frame larger than --max-message-bytes closes its connection with the reason, and a call holds one of the
-data slots the gRPC data pool shares.
+data slots the gRPC data pool shares (a lookup: one of its account's lookup slots, shared with gRPC lookups).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.auth import TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.rpc.servicer import SidecarService
-from kvsidecar_contract.limits import MAX_HASH_BYTES
 from kvsidecar_contract.proto import sidecar_pb2
 
 __all__ = ["SERVICE_NAME", "create_servers"]
@@ -33,9 +32,8 @@ def _server(service: SidecarService, health: health_aio.HealthServicer, config: 
     server = grpc.aio.server(options=options, **kw)
     # A Lookup's request is parsed on the event loop, before --max-lookup-hashes could refuse it: its size is
     # refused first, so one account's huge lookups cannot stall every other call (docs/security.md).
-    lookup_bytes = wire.lookup_request_bytes(config.max_lookup_hashes)
-    why = f"--max-lookup-hashes {config.max_lookup_hashes} hashes of at most {MAX_HASH_BYTES} bytes"
-    server.add_generic_rpc_handlers((wire.sidecar_handlers(service, {"Lookup": (lookup_bytes, why)}),))
+    limits = {"Lookup": wire.lookup_limit(config.max_lookup_hashes)}
+    server.add_generic_rpc_handlers((wire.sidecar_handlers(service, limits),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

@@ -114,7 +114,8 @@ class SidecarService(pb_grpc.SidecarServicer):
             "data": ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data"),
             "lookup": ThreadPoolExecutor(lookup_workers, thread_name_prefix="kvsidecar-lookup"),
         }
-        self._lookup_gates = AccountGates(lookups_per_account)
+        # Lookups over gRPC and over the data socket share these slots: as many as the lookup pool's threads.
+        self._lookup_gates = AccountGates(lookups_per_account, lookup_workers)
         # Saves, loads and closes run on at most `workers` threads at once, the data pool's and the data socket's
         # (rpc/datasocket.py) together.
         self._data_slots = threading.BoundedSemaphore(workers)
@@ -152,7 +153,9 @@ class SidecarService(pb_grpc.SidecarServicer):
         """
         self.metrics.requests.labels(method).inc()
         self.metrics.data_socket_requests.labels(method).inc()
-        request = _FRAME_REQUESTS[method](body)
+        # A lookup's size is bounded as over gRPC: parsing a million hashes holds the GIL.
+        most, why = wire.lookup_limit(self.datapath.max_lookup_hashes) if method == "Lookup" else (0, "")
+        request = wire.lenient(_FRAME_REQUESTS[method], most, why)(body)
         if isinstance(request, wire.Undecodable):
             raise BadRequest(str(request))
         if request.session_id != session_id:
@@ -160,6 +163,9 @@ class SidecarService(pb_grpc.SidecarServicer):
         if self._stopping:
             raise ShuttingDown("the daemon is shutting down")
         work = getattr(type(self), method).__wrapped__(self, request, _FrameContext(time_left))
+        if method == "Lookup":
+            with self._lookup_gates.hold_blocking(self.sessions.account_of(session_id), time_left):
+                return work()
         return self.in_data_slot(work)
 
     def refresh_health(self) -> StoreHealth:
@@ -344,8 +350,8 @@ class _FrameContext:
         return self._time_left
 
 
-_FRAME_REQUESTS: dict[str, Callable[[Any], Any]] = {
-    name: wire.lenient(getattr(pb, pb.DESCRIPTOR.services_by_name["Sidecar"].methods_by_name[name].input_type.name))
+_FRAME_REQUESTS: dict[str, Any] = {
+    name: getattr(pb, pb.DESCRIPTOR.services_by_name["Sidecar"].methods_by_name[name].input_type.name)
     for name in frames.METHODS.values()
 }
 

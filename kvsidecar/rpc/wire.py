@@ -81,6 +81,13 @@ def lookup_request_bytes(max_hashes: int) -> int:
     return max_hashes * (MAX_HASH_BYTES + _HASH_FIELD_OVERHEAD) + _REQUEST_SLACK_BYTES
 
 
+def lookup_limit(max_hashes: int) -> tuple[int, str]:
+    """(most bytes, why) of a LookupRequest under --max-lookup-hashes, for `lenient`: refused before it is parsed."""
+    return lookup_request_bytes(
+        max_hashes
+    ), f"--max-lookup-hashes {max_hashes} hashes of at most {MAX_HASH_BYTES} bytes"
+
+
 def sidecar_handlers(
     servicer: Any, max_request_bytes: dict[str, tuple[int, str]] | None = None
 ) -> grpc.GenericRpcHandler:

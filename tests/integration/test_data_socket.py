@@ -88,8 +88,7 @@ def test_saves_and_loads_travel_the_data_socket_byte_exact_and_grpc_only_clients
         batched = data_requests(daemon)
         assert batched.get("SaveBatch", 0) - after.get("SaveBatch", 0) == 1
         assert batched.get("LoadBatch", 0) - after.get("LoadBatch", 0) == 1
-        # Lookups stay on gRPC (the scheduler's session has no memory and no data socket use).
-        assert "Lookup" not in batched
+        assert batched.get("Lookup", 0) == 2  # lookups too (the two above)
         # The client that asked for gRPC alone never touches the socket, and gets the same bytes.
         round_trip(plain, plain_kv, "over grpc")
         assert data_requests(daemon) == batched

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from kvsidecar.datapath.transfers import DataPath
+from kvsidecar.errors import BadRequest, Exhausted
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.servicer import SidecarService
@@ -203,6 +204,26 @@ def test_a_lookup_is_answered_from_the_data_path():
     packed.block_hashes.append(b"\x01" * 32)
     err = refused(svc.Lookup, packed)
     assert err.code is grpc.StatusCode.INVALID_ARGUMENT and "both set" in err.details
+
+
+def test_a_data_socket_lookup_answers_as_grpc_draws_on_the_same_slots_and_is_bounded_in_size():
+    svc = service()
+    scheduler = call(svc.OpenSession, open_request([group("full_attention", 16)], role=pb.ROLE_SCHEDULER))
+    sid = scheduler.session_id
+    request = pb.LookupRequest(session_id=sid, packed_block_hashes=b"\x01" * 64, num_tokens=33)
+    assert svc.answer_frame("Lookup", request.SerializeToString(), sid, None) == call(svc.Lookup, request)
+    assert sample(svc, "kvsidecar_data_socket_requests_total", {"method": "Lookup"}) == 1
+    # The account's one lookup slot is held (by a gRPC lookup, say): past the call's deadline the frame is refused.
+    with svc._lookup_gates.hold_blocking(svc.sessions.account_of(sid), None), pytest.raises(Exhausted) as held:
+        svc.answer_frame("Lookup", request.SerializeToString(), sid, 0.05)
+    code, reason = svc.refused("Lookup", held.value)
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--lookups-per-account" in reason
+    # A frame too big for --max-lookup-hashes is refused before it is parsed, as over gRPC.
+    svc.datapath.max_lookup_hashes = 4
+    big = pb.LookupRequest(session_id=sid, block_hashes=[b"\x02" * 32] * 5000, num_tokens=80_001)
+    with pytest.raises(BadRequest, match="--max-lookup-hashes 4 hashes"):
+        svc.answer_frame("Lookup", big.SerializeToString(), sid, None)
+    svc.shutdown_pools()
 
 
 def test_a_lookup_past_the_per_call_limit_is_refused_naming_it():
