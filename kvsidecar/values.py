@@ -161,3 +161,4 @@ class SessionSummary(NamedTuple):
     age_seconds: float
     client_name: str
     tenant: str = ""
+    data_connections: int = 0  # connections bound to it on the data socket now

@@ -70,7 +70,9 @@ def render(info: dict[str, Any]) -> str:
         lines.append(
             f"  {s['session_id_prefix']}  {s['role'].removeprefix('ROLE_').lower():9}  {s['model']}"
             f"  tp {p['tp_rank']}/{p['tp_size']} pp {p['pp_rank']}/{p['pp_size']}"
-            f"  {int(s['mapped_bytes']) / 2**20:.1f} MiB  {s['client_name']}"
+            f"  {int(s['mapped_bytes']) / 2**20:.1f} MiB"
+            + (f"  {s['data_connections']} data conn" if s.get("data_connections") else "")
+            + f"  {s['client_name']}"
             + (f"  tenant {s['tenant']}" if s.get("tenant") else "")
         )
     if info.get("listeners"):

@@ -25,6 +25,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.rpc.statuses import status_of
 from kvsidecar.rpc.unixsocket import UnixListener
+from kvsidecar.sessions.session import Session
 from kvsidecar.tenancy.tickets import PeerCred
 from kvsidecar_contract import frames
 
@@ -100,9 +101,18 @@ class DataSocket(UnixListener):
 
     def _calls(self, conn: socket.socket, peer: PeerCred) -> None:
         conn.settimeout(HELLO_TIMEOUT_S)
-        session_id = self._hello(conn, peer)
-        if session_id is None:
+        session = self._hello(conn, peer)
+        if session is None:
             return
+        with session.lock:
+            session.data_connections += 1
+        try:
+            self._bound_calls(conn, session.id)
+        finally:
+            with session.lock:
+                session.data_connections -= 1
+
+    def _bound_calls(self, conn: socket.socket, session_id: str) -> None:
         conn.settimeout(None)
         header = bytearray(frames.REQUEST.size)
         while not self._stop.is_set():
@@ -117,7 +127,7 @@ class DataSocket(UnixListener):
             status, payload = self._call(method_id, body, session_id, time_left)
             _send_reply(conn, status, payload)
 
-    def _hello(self, conn: socket.socket, peer: PeerCred) -> str | None:
+    def _hello(self, conn: socket.socket, peer: PeerCred) -> Session | None:
         """The session the connection is bound to, after answering OK; None after answering the refusal."""
         header = bytearray(frames.REQUEST.size)
         try:
@@ -143,7 +153,7 @@ class DataSocket(UnixListener):
         except TimeoutError:
             return None
         _send_reply(conn, frames.OK, b"")
-        return session.id
+        return session
 
     def _call(self, method_id: int, body: bytearray, session_id: str, time_left: float) -> tuple[int, bytes]:
         method = frames.METHODS.get(method_id)

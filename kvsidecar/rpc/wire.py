@@ -456,4 +456,5 @@ def session_info(s: SessionSummary) -> pb.SessionInfo:
         age_seconds=s.age_seconds,
         client_name=s.client_name,
         tenant=s.tenant,
+        data_connections=s.data_connections,
     )

@@ -39,6 +39,7 @@ class Session:
     max_registered_bytes: int | None = None  # its tenant's own cap on registered host memory (None: the daemon's)
     memfds_counted: int = 0  # memfds it took from its account's share (given back when it closes)
     bytes_counted: int = 0  # registered host bytes it took from its account's share
+    data_connections: int = 0  # data-socket connections bound to it now (changed under `lock`; for operators)
 
     def require_memory(self) -> SessionMemory:
         """The session's memory, for saves and loads."""
@@ -61,4 +62,5 @@ class Session:
             age_seconds=now - self.opened_at,
             client_name=self.client_name,
             tenant=self.tenant,
+            data_connections=self.data_connections,
         )

@@ -94,10 +94,27 @@ def test_saves_and_loads_travel_the_data_socket_byte_exact_and_grpc_only_clients
         assert data_requests(daemon) == batched
         calls = daemon.requests_by_method()
         assert calls["Save"] - calls_before.get("Save", 0) == 2  # every request counts once, whichever way it came
+        # An operator sees who holds connections: `kvsidecar status` counts them per session.
+        kept = client._keeper.data._count  # type: ignore[union-attr]
+        held = {s.get("data_connections", 0) for s in status(daemon)["sessions"] if s["model"] == "org/DataSocket"}
+        assert kept >= 1 and held == {0, kept}, (held, kept)  # the gRPC-only client holds none
+        assert "data conn" in subprocess.run(
+            [sys.executable, "-m", "kvsidecar", "status", "--socket", daemon.socket], capture_output=True, text=True,
+            timeout=60,
+        ).stdout  # fmt: skip
     finally:
         client.close()
         plain.close()
     assert _eventually_no_connections(daemon), "closed clients leave no connection (and no daemon thread) behind"
+
+
+def status(daemon: Daemon) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvsidecar", "status", "--socket", daemon.socket, "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
 
 
 def _eventually_no_connections(daemon: Daemon) -> bool:

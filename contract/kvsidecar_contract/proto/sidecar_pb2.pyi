@@ -428,7 +428,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id_prefix", "role", "model", "cache_prefix", "parallel", "mapped_bytes", "age_seconds", "client_name", "tenant")
+    __slots__ = ("session_id_prefix", "role", "model", "cache_prefix", "parallel", "mapped_bytes", "age_seconds", "client_name", "tenant", "data_connections")
     SESSION_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,7 @@ class SessionInfo(_message.Message):
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     session_id_prefix: str
     role: Role
     model: str
@@ -447,7 +448,8 @@ class SessionInfo(_message.Message):
     age_seconds: float
     client_name: str
     tenant: str
-    def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    data_connections: int
+    def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ..., tenant: _Optional[str] = ..., data_connections: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "listeners", "tenancy", "caller_tenant")

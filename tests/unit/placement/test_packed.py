@@ -1,18 +1,14 @@
-"""PackedHashes is a Sequence of bytes like a list of the same hashes, and gives the same keys and answers."""
+"""PackedHashes is a Sequence of bytes like a list of the same hashes (test_staged checks that lookups of packed hashes
+ask the same keys and answer the same)."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_properties import SETTINGS, hashes_for, layouts
-from test_staged import run_staged, stored_answers
 
-from kvsidecar_contract.placement import PackedHashes, lookup_plan
+from kvsidecar_contract.placement import PackedHashes
 from kvsidecar_contract.placement.keys import hash_suffixes
-from support.ranks import all_ranks
 
 
 @given(st.integers(1, 40), st.integers(0, 50), st.data())
@@ -47,19 +43,3 @@ def test_out_of_range_and_misaligned_input_are_refused():
     with pytest.raises(TypeError):
         PackedHashes.of(["not bytes"], 9)  # type: ignore[list-item]
     assert len(PackedHashes.of([], 32)) == 0
-
-
-@SETTINGS
-@given(layouts(), st.integers(0, 60), st.booleans(), st.integers(0, 2**32 - 1))
-def test_a_staged_lookup_of_packed_hashes_asks_the_same_keys_and_answers_the_same(layout, n, eagle, seed):
-    rng = random.Random(seed)
-    u = layout.hash_block_size
-    num_tokens = n * u + rng.randrange(u)
-    hashes = hashes_for(num_tokens, u)[: rng.randint(max(0, n - 2), n)] if n else []
-    geo = all_ranks(layout)[0][1]
-    plan = lookup_plan(geo, hashes, num_tokens)
-    assert lookup_plan(geo, PackedHashes.of(hashes, 32), num_tokens).keys == plan.keys
-    answer = stored_answers(plan.keys, rng, len(hashes))
-    listed, asked = run_staged(geo, hashes, num_tokens, eagle, answer)
-    packed, asked_packed = run_staged(geo, PackedHashes.of(hashes, 32), num_tokens, eagle, answer)  # type: ignore[arg-type]
-    assert asked_packed == asked and packed.answer() == listed.answer()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given
@@ -16,6 +17,7 @@ from kvsidecar_contract.placement import (
     InvalidRequest,
     Kind,
     Layout,
+    PackedHashes,
     Parallel,
     StagedLookup,
     compute_hit,
@@ -26,7 +28,7 @@ from support.ranks import all_ranks
 PRESENT, ABSENT, UNKNOWN = 1, 0, -1
 
 
-def run_staged(geo: Geometry, hashes: list[bytes], num_tokens: int, eagle: bool, answer: dict[str, int]):
+def run_staged(geo: Geometry, hashes: Sequence[bytes], num_tokens: int, eagle: bool, answer: dict[str, int]):
     """The staged lookup against a store answering from `answer`; returns it and every key it asked."""
     staged = StagedLookup(geo, hashes, num_tokens, eagle=eagle)
     asked: list[str] = []
@@ -66,6 +68,10 @@ def test_staged_answer_equals_probing_every_key(layout, n, eagle, seed):
     staged, asked = run_staged(geo, hashes, num_tokens, eagle, answer)
     assert staged.answer() == every
     assert len(asked) == len(set(asked)) == staged.probes  # no key asked twice
+    # The same hashes packed into one bytes object (as a Lookup may send them): the same keys, the same answer.
+    packed = PackedHashes.of(hashes, 32)
+    assert lookup_plan(geo, packed, num_tokens).keys == plan.keys
+    assert run_staged(geo, packed, num_tokens, eagle, answer)[1] == asked
     assert set(asked) <= set(plan.keys)
     failed = [k for k in asked if answer[k] == UNKNOWN]
     if failed:
