@@ -40,6 +40,7 @@ __all__ = [
     "Exhausted",
     "StoreError",
     "StoreUnavailable",
+    "TooLate",
     "Unauthenticated",
     "UnknownSession",
 ]
@@ -76,6 +77,10 @@ class Exhausted(RequestError):
 
 class ShuttingDown(RequestError):
     """The daemon is stopping and takes no new work."""
+
+
+class TooLate(RequestError):
+    """The call's deadline passed while it waited its turn (a lookup slot); it did nothing."""
 
 
 class StoreError(Exception):

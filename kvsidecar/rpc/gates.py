@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from kvsidecar.errors import Exhausted
+from kvsidecar.errors import TooLate
 
 __all__ = ["AccountGates"]
 
@@ -52,7 +52,8 @@ class AccountGates:
     def hold_blocking(self, account: str, timeout: float | None) -> Iterator[None]:
         """Wait (on this thread, at most timeout seconds) for one of account's slots, and hold it for the block.
 
-        Raises Exhausted naming the share when the wait outlasts the timeout.
+        Raises TooLate (DEADLINE_EXCEEDED, as a gRPC call waiting past its deadline) naming the shares when the
+        wait outlasts the timeout.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -63,7 +64,7 @@ class AccountGates:
                 self._wakers.append(woken.set)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and (left <= 0 or not woken.wait(left)):
-                raise Exhausted(
+                raise TooLate(
                     f"no lookup slot within the call's deadline: at most {self.per_account} lookups per account "
                     f"and {self.total or 'no bound'} in all run at once (--lookups-per-account, --lookup-workers)"
                 )

@@ -12,6 +12,7 @@ from kvsidecar.errors import (
     RequestError,
     ShuttingDown,
     StoreError,
+    TooLate,
     Unauthenticated,
     UnknownSession,
 )
@@ -31,6 +32,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     Forbidden: grpc.StatusCode.PERMISSION_DENIED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TooLate: grpc.StatusCode.DEADLINE_EXCEEDED,  # as gRPC itself answers a call whose deadline passed waiting
     RequestError: grpc.StatusCode.INTERNAL,
 }
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvsidecar.errors import Exhausted
+from kvsidecar.errors import TooLate
 from kvsidecar.rpc.gates import AccountGates
 
 
@@ -101,7 +101,7 @@ def test_the_bound_in_all_holds_across_accounts_and_a_wait_past_the_deadline_is_
     with gates.hold_blocking("uid 1", None), gates.hold_blocking("uid 2", None):
         assert gates.held() == {"uid 1": 1, "uid 2": 1}
         late = "no lookup slot within the call's deadline: at most 2 lookups per account"
-        with pytest.raises(Exhausted, match=late), gates.hold_blocking("uid 3", timeout=0.05):
+        with pytest.raises(TooLate, match=late), gates.hold_blocking("uid 3", timeout=0.05):
             pass
     assert gates.held() == {}
     with gates.hold_blocking("uid 3", timeout=0.05):  # once given back, the slots serve again

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.errors import BadRequest, Exhausted
+from kvsidecar.errors import BadRequest, TooLate
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.servicer import SidecarService
@@ -214,10 +214,11 @@ def test_a_data_socket_lookup_answers_as_grpc_draws_on_the_same_slots_and_is_bou
     assert svc.answer_frame("Lookup", request.SerializeToString(), sid, None) == call(svc.Lookup, request)
     assert sample(svc, "kvsidecar_data_socket_requests_total", {"method": "Lookup"}) == 1
     # The account's one lookup slot is held (by a gRPC lookup, say): past the call's deadline the frame is refused.
-    with svc._lookup_gates.hold_blocking(svc.sessions.account_of(sid), None), pytest.raises(Exhausted) as held:
+    with svc._lookup_gates.hold_blocking(svc.sessions.account_of(sid), None), pytest.raises(TooLate) as held:
         svc.answer_frame("Lookup", request.SerializeToString(), sid, 0.05)
     code, reason = svc.refused("Lookup", held.value)
-    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--lookups-per-account" in reason
+    # DEADLINE_EXCEEDED, as over gRPC: the client's lookup answers a degraded miss either way.
+    assert code is grpc.StatusCode.DEADLINE_EXCEEDED and "--lookups-per-account" in reason
     # A frame too big for --max-lookup-hashes is refused before it is parsed, as over gRPC.
     svc.datapath.max_lookup_hashes = 4
     big = pb.LookupRequest(session_id=sid, block_hashes=[b"\x02" * 32] * 5000, num_tokens=80_001)

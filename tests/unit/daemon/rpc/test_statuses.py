@@ -16,6 +16,7 @@ from kvsidecar.errors import (
     ShuttingDown,
     StoreError,
     StoreUnavailable,
+    TooLate,
     UnknownSession,
 )
 from kvsidecar.rpc.statuses import MAX_REASON_CHARS, status_of
@@ -36,6 +37,11 @@ DAEMON = Path(__file__).resolve().parents[4] / "kvsidecar"
         (OutOfOrder("call RegisterMemory once"), C.FAILED_PRECONDITION, "call RegisterMemory once"),
         (Forbidden("a scheduler session"), C.PERMISSION_DENIED, "a scheduler session"),
         (ShuttingDown("the daemon is shutting down"), C.UNAVAILABLE, "the daemon is shutting down"),
+        (
+            TooLate("no lookup slot within the call's deadline"),
+            C.DEADLINE_EXCEEDED,
+            "no lookup slot within the call's deadline",
+        ),
         (RequestError("odd"), C.INTERNAL, "odd"),
         (StoreError(StoreCode.INVALID_PARAMS, "bad key"), C.INVALID_ARGUMENT, "store: invalid_params: bad key"),
         (StoreError(StoreCode.NO_SPACE, "full"), C.UNAVAILABLE, "store: no_space: full"),
