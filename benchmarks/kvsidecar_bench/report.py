@@ -18,7 +18,7 @@ __all__ = ["OP_TITLES", "PATH_TITLES", "Results", "headline", "path_titles", "ra
 
 SCHEMA = 1
 PATH_TITLES = {
-    "daemon": "daemon (client -> data socket -> daemon -> Mooncake; gRPC for sessions and lookups)",
+    "daemon": "daemon (client -> data socket -> daemon -> Mooncake; gRPC for sessions and registration)",
     "daemon-grpc": "daemon with every call over gRPC (client -> gRPC -> daemon -> Mooncake)",
     "in-process": "in-process Mooncake (vLLM in-tree style)",
     "real-client": "Mooncake real client (dummy client -> mooncake_client)",
