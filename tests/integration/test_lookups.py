@@ -65,13 +65,17 @@ def test_packed_and_listed_hashes_get_the_same_answer_and_bad_packing_its_reason
 
 
 def test_the_client_packs_a_lookup_only_for_a_daemon_that_reads_it(daemon, key_prefix, monkeypatch):
-    sent: list[pb.LookupRequest] = []
+    calls: list[tuple[SessionKeeper, pb.LookupRequest]] = []
     real_call = SessionKeeper.call
 
     def spy(self: SessionKeeper, method: str, request: Any, timeout: float) -> Any:
         if method == "Lookup":
-            sent.append(pb.LookupRequest.FromString(request.SerializeToString()))
+            calls.append((self, pb.LookupRequest.FromString(request.SerializeToString())))
         return real_call(self, method, request, timeout)
+
+    def sent() -> list[pb.LookupRequest]:
+        """This client's lookups only: another test's client may still be looking up on a thread of its own."""
+        return [request for keeper, request in calls if keeper is client._keeper]
 
     monkeypatch.setattr(SessionKeeper, "call", spy)
     kv = shared_tensor((8, U, 64), torch.float16)
@@ -85,7 +89,7 @@ def test_the_client_packs_a_lookup_only_for_a_daemon_that_reads_it(daemon, key_p
         assert client.save(hashes[:3], [[0, 1, 2]], 3 * U).result(timeout=60).failed == 0
         assert client.session_info is not None and client.session_info.packed_hashes
         assert client.lookup(hashes, 4 * U + 1).hit_tokens == 3 * U
-        assert sent[-1].packed_block_hashes == b"".join(hashes) and not sent[-1].block_hashes
+        assert sent()[-1].packed_block_hashes == b"".join(hashes) and not sent()[-1].block_hashes
         # A daemon from before packed hashes says nothing of them: the client sends one field per hash.
         keeper = client._keeper
         session = keeper.session
@@ -93,7 +97,7 @@ def test_the_client_packs_a_lookup_only_for_a_daemon_that_reads_it(daemon, key_p
         older = dataclasses.replace(session, info=session.info._replace(packed_hashes=False))
         monkeypatch.setattr(keeper, "_session", older)
         assert client.lookup(hashes, 4 * U + 1).hit_tokens == 3 * U
-        assert list(sent[-1].block_hashes) == hashes and not sent[-1].packed_block_hashes
+        assert list(sent()[-1].block_hashes) == hashes and not sent()[-1].packed_block_hashes
         # A hash of the wrong length is the engine's bug: named before anything is sent.
         with pytest.raises(Exception, match="block hash 1 has 31 bytes"):
             client.lookup([hashes[0], hashes[1][:-1]], 2 * U + 1)
