@@ -153,9 +153,11 @@ class SidecarService(pb_grpc.SidecarServicer):
         """
         self.metrics.requests.labels(method).inc()
         self.metrics.data_socket_requests.labels(method).inc()
-        # A lookup's size is bounded as over gRPC: parsing a million hashes holds the GIL.
-        most, why = wire.lookup_limit(self.datapath.max_lookup_hashes) if method == "Lookup" else (0, "")
-        request = wire.lenient(_FRAME_REQUESTS[method], most, why)(body)
+        if method == "Lookup":
+            # Its size is bounded as over gRPC (parsing a million hashes holds the GIL), by the current limit.
+            request = wire.lenient(pb.LookupRequest, *wire.lookup_limit(self.datapath.max_lookup_hashes))(body)
+        else:
+            request = _FRAME_REQUESTS[method](body)
         if isinstance(request, wire.Undecodable):
             raise BadRequest(str(request))
         if request.session_id != session_id:
@@ -350,8 +352,8 @@ class _FrameContext:
         return self._time_left
 
 
-_FRAME_REQUESTS: dict[str, Any] = {
-    name: getattr(pb, pb.DESCRIPTOR.services_by_name["Sidecar"].methods_by_name[name].input_type.name)
+_FRAME_REQUESTS: dict[str, Callable[[Any], Any]] = {
+    name: wire.lenient(getattr(pb, pb.DESCRIPTOR.services_by_name["Sidecar"].methods_by_name[name].input_type.name))
     for name in frames.METHODS.values()
 }
 

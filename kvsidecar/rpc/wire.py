@@ -83,9 +83,8 @@ def lookup_request_bytes(max_hashes: int) -> int:
 
 def lookup_limit(max_hashes: int) -> tuple[int, str]:
     """(most bytes, why) of a LookupRequest under --max-lookup-hashes, for `lenient`: refused before it is parsed."""
-    return lookup_request_bytes(
-        max_hashes
-    ), f"--max-lookup-hashes {max_hashes} hashes of at most {MAX_HASH_BYTES} bytes"
+    why = f"--max-lookup-hashes {max_hashes} hashes of at most {MAX_HASH_BYTES} bytes"
+    return lookup_request_bytes(max_hashes), why
 
 
 def sidecar_handlers(
