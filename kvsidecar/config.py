@@ -34,6 +34,8 @@ DEFAULT_SEGMENT_BYTES = 1 * GiB
 DEFAULT_LOCAL_BUFFER_BYTES = 64 * MiB
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 DEFAULT_SESSION_TTL_S = 10.0
+DEFAULT_GPU_STAGING_BYTES = 256 * MiB  # per GPU: a 4k-token 8B prefix (512 MiB) loads in two rounds
+DEFAULT_GPU_BOUNCE_BYTES = 64 * MiB
 DEFAULT_SSD_BYTES = 8 * GiB  # laptop-sized; see docs/ssd-tier.md for a GPU node
 DEFAULT_SSD_BUFFER_BYTES = 64 * MiB  # the disk tier's write queue: about a second of a laptop's saves
 TiB = 1 << 40
@@ -174,6 +176,30 @@ class Config:
         DEFAULT_LOCAL_BUFFER_BYTES, help="Mooncake client transfer buffer, e.g. 64MiB (default 64MiB)", parse=parse_size
     )
     replicas: int = setting(1, help="replicas of every stored block (default 1)", parse=int)
+    gpu: str = setting(
+        "auto",
+        help=(
+            "the GPU data path for ranks whose KV cache is CUDA memory: auto (on a node with an NVIDIA driver: CUDA "
+            "started and the segment page-locked in the background at start) or off (CUDA memory refused; a CPU node "
+            "never starts CUDA) (default auto)"
+        ),
+    )
+    gpu_staging_size: int = setting(
+        DEFAULT_GPU_STAGING_BYTES,
+        help=(
+            "GPU memory per device the daemon gathers and scatters a batch of blocks in, e.g. 256MiB (default "
+            "256MiB); a larger request moves in rounds"
+        ),
+        parse=parse_size,
+    )
+    gpu_bounce_size: int = setting(
+        DEFAULT_GPU_BOUNCE_BYTES,
+        help=(
+            "pinned host memory per device for values read from another node or the disk tier on their way to a GPU, "
+            "e.g. 64MiB (default 64MiB)"
+        ),
+        parse=parse_size,
+    )
     session_ttl: float = setting(
         DEFAULT_SESSION_TTL_S,
         help="seconds a session lives without a KeepAlive before its memory is released (default 10)",
@@ -290,6 +316,11 @@ class Config:
             raise ConfigError(f"segment-size must be 0 or >= 16MiB (Mooncake's minimum), got {self.segment_size}")
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.gpu not in ("auto", "off"):
+            raise ConfigError(f"gpu must be auto or off, got {self.gpu!r}")
+        for name in ("gpu_staging_size", "gpu_bounce_size"):
+            if getattr(self, name) < 16 * MiB:
+                raise ConfigError(f"{name.replace('_', '-')} must be at least 16MiB, got {getattr(self, name)}")
         if self.session_ttl <= 0:
             raise ConfigError(f"session-ttl must be > 0 seconds, got {self.session_ttl}")
         for name in (

@@ -96,6 +96,14 @@ class Metrics:
         self.regions_bytes = Gauge(
             "kvsidecar_registered_region_bytes", "Bytes of engine memory mapped by the daemon.", registry=r
         )
+        self.gpu_pinned_bytes = Gauge(
+            "kvsidecar_gpu_pinned_segment_bytes",
+            "Bytes of the store's segment page-locked for the GPU path (0 on a CPU node or until it is done).",
+            registry=r,
+        )
+        self.gpu_staging_bytes = Gauge(
+            "kvsidecar_gpu_staging_bytes", "GPU memory the daemon holds as staging for device transfers.", registry=r
+        )
         self.store_healthy = Gauge(
             "kvsidecar_store_healthy", "1 when the Mooncake store and its master answer, else 0.", registry=r
         )
@@ -156,8 +164,8 @@ class Metrics:
         )
         self.disk_skipped_writes = Counter(
             "kvsidecar_disk_tier_skipped_writes",
-            "Values not written to the disk tier, by reason (queue_full, no_space, io_error, too_large); DRAM still "
-            "holds them.",
+            "Values not written to the disk tier, by reason (queue_full, no_space, io_error, too_large, device_source: "
+            "a GPU rank's value whose DRAM replica is on another node); DRAM still holds them.",
             ["reason"],
             registry=r,
         )
@@ -169,7 +177,7 @@ class Metrics:
         self.disk_queued_bytes = Gauge(
             "kvsidecar_disk_tier_queued_bytes", "Value bytes waiting to be written to the disk tier.", registry=r
         )
-        for reason in ("queue_full", "no_space", "io_error", "too_large"):
+        for reason in ("queue_full", "no_space", "io_error", "too_large", "device_source"):
             self.disk_skipped_writes.labels(reason)
         # Both tiers exported from the start (zero without a disk tier), so dashboards and alerts always find them.
         for tier in ("memory", "disk"):

@@ -63,6 +63,7 @@ def render(info: dict[str, Any]) -> str:
         f"master {info['master_address'] or '-'}",
         f"tenancy: {info.get('tenancy') or 'single-tenant'}"
         + (f" (you: tenant {info['caller_tenant']})" if info.get("caller_tenant") else ""),
+        f"gpu: {info.get('gpu') or 'off'}",
         f"sessions: {len(info['sessions'])}",
     ]
     for s in info["sessions"]:

@@ -30,6 +30,7 @@ from kvsidecar.events.feed import NO_EVENTS
 from kvsidecar.events.node import NodeEvents
 from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
+from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc.datasocket import DataSocket
 from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
@@ -82,6 +83,7 @@ class Daemon:
         self.tenancy: Tenancy | None = None
         self.disk_tier: DiskTierNode | None = None
         self.kv_events: NodeEvents | None = None
+        self.gpu: GpuRuntime | None = None
         self.loopback = LoopbackGuard.none("not started")
         self.failure = ""  # why the daemon stopped itself, if it did
 
@@ -112,6 +114,9 @@ class Daemon:
         if self.disk_tier is not None:
             self._store = self.disk_tier.wrap(self._store)  # one store to the data path: DRAM, the disk behind it
         store = self._store
+        # CUDA contexts and the page-locked segment start in the background: ranks may register before they are done.
+        self.gpu = GpuRuntime(GpuSettings(cfg.gpu, cfg.gpu_staging_size, cfg.gpu_bounce_size), store, self.metrics)
+        self.gpu.start()
         host, port = parse_address(cfg.metrics_address)
         try:
             with self.loopback.host():  # the sockets operators and engines reach are the host's
@@ -141,6 +146,7 @@ class Daemon:
             store.unregister_buffer,
             metrics=self.metrics,
             shares=SessionShares.of(cfg),
+            devices=self.gpu if self.gpu.wanted else None,
         )
         tenancy = self.tenancy
         datapath = DataPath(
@@ -149,6 +155,7 @@ class Daemon:
             budget_of=tenancy.budget,
             events=self.kv_events.feed if self.kv_events else NO_EVENTS,
             max_lookup_hashes=cfg.max_lookup_hashes,
+            gpu=self.gpu if self.gpu.wanted else None,
         )
         self.service = SidecarService(
             datapath,
@@ -161,6 +168,7 @@ class Daemon:
             master_address=self.master_address,
             side_socket=True,
             listeners=self.fence.listeners_with_drops,
+            gpu=self.gpu.describe,
         )
         gid = socket_gid(cfg)
         with self.loopback.host():
@@ -190,7 +198,7 @@ class Daemon:
         extra = f" tcp+tls {self.addresses[1]}" if len(self.addresses) > 1 else ""
         origin = "embedded" if self.master is not None else "external"
         log.info(
-            "kvsidecar %s ready: grpc %s%s, metrics %s, mooncake master %s (%s), %s",
+            "kvsidecar %s ready: grpc %s%s, metrics %s, mooncake master %s (%s), %s, gpu %s",
             __version__,
             self.addresses[0],
             extra,
@@ -198,6 +206,7 @@ class Daemon:
             self.master_address or "none",
             origin,
             tenancy.table.describe(),
+            self.gpu.describe(),
         )
         notify.ready(f"serving on {self.addresses[0]}")
 
@@ -366,6 +375,8 @@ class Daemon:
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)
             await loop.run_in_executor(None, self.service.shutdown_pools)
+        if self.gpu is not None:
+            await loop.run_in_executor(None, self.gpu.stop)  # unpins the segment before the store frees it
         if self._store is not None:
             await loop.run_in_executor(None, self._store.close)
         self.fence.release()

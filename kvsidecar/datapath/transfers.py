@@ -17,6 +17,9 @@ from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_out
 from kvsidecar.datapath.backoff import NoSpaceBackoff
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
+from kvsidecar.gpu import transfers as device
+from kvsidecar.gpu.runtime import GpuRuntime
+from kvsidecar.gpu.staging import StagingArea
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.reasons import Reason
@@ -56,10 +59,13 @@ class DataPath:
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
         events: StoreEvents = NO_EVENTS,
         max_lookup_hashes: int = MAX_HASHES,
+        gpu: GpuRuntime | None = None,
     ) -> None:
         """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
-        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes)."""
+        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes); gpu moves the memory of
+        sessions whose KV cache is on a GPU (its staging areas and page-locked segment)."""
         self.store = store
+        self.gpu = gpu
         self.max_lookup_hashes = max_lookup_hashes
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
@@ -103,7 +109,7 @@ class DataPath:
                 staged: list[tuple[int, SavePlan, list[Buffers]]] = []
                 for i, plan in plans:
                     try:
-                        staged.append((i, plan, [memory.buffers(c.group, c.block_id, c.part) for c in plan.chunks]))
+                        staged.append((i, plan, self._buffers(memory, plan.chunks)))
                     except Exception as exc:
                         out[i] = exc
                 chunks = [c for _, plan, _ in staged for c in plan.chunks]
@@ -168,11 +174,21 @@ class DataPath:
         else:
             try:
                 with self._timed("put"):
-                    codes = self.store.put_from(
-                        [keys[j] for j in todo], [buffers[j][0] for j in todo], [buffers[j][1] for j in todo]
-                    )
+                    if memory.device is None:
+                        codes = self.store.put_from(
+                            [keys[j] for j in todo], [buffers[j][0] for j in todo], [buffers[j][1] for j in todo]
+                        )
+                    else:
+                        codes = device.put(
+                            self.store,
+                            self._area(memory),
+                            memory,
+                            [keys[j] for j in todo],
+                            [chunks[j] for j in todo],
+                            self._store_failed,
+                        )
             except StoreError as exc:
-                self.metrics.store_errors.labels("put", exc.code.value).inc()
+                self._store_failed("put", exc)
                 codes = [exc.code] * len(todo)
             if todo:
                 self.backoff.record(StoreCode.NO_SPACE in codes)
@@ -258,11 +274,11 @@ class DataPath:
             staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
             for i, reads, nowhere in planned:
                 try:
-                    staged.append((i, reads, nowhere, [memory.buffers(c.group, c.block_id, c.part) for c in reads]))
+                    staged.append((i, reads, nowhere, self._buffers(memory, reads)))
                 except Exception as exc:
                     out[i] = exc
             every = [c for _, reads, _, _ in staged for c in reads]
-            codes = self._get(every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
+            codes = self._get(memory, every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
         start = 0
         for i, reads, nowhere, _ in staged:
             end = start + len(reads)
@@ -270,7 +286,7 @@ class DataPath:
             start = end
         return _filled(out)
 
-    def _get(self, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
+    def _get(self, memory: SessionMemory, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
         """Each chunk's read into its buffers; a key read into two blocks (two requests of a step sharing a
         prefix) is read again in a second batch, so that no batch names a key twice."""
         codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
@@ -285,15 +301,46 @@ class DataPath:
                 continue
             try:
                 with self._timed("get"):
-                    got = self.store.get_into(
-                        [chunks[j].key for j in batch], [buffers[j][0] for j in batch], [buffers[j][1] for j in batch]
-                    )
+                    if memory.device is None:
+                        got = self.store.get_into(
+                            [chunks[j].key for j in batch],
+                            [buffers[j][0] for j in batch],
+                            [buffers[j][1] for j in batch],
+                        )
+                    else:
+                        got = device.get(
+                            self.store,
+                            self._area(memory),
+                            memory,
+                            [chunks[j].key for j in batch],
+                            [chunks[j] for j in batch],
+                            self.gpu.host_segment() if self.gpu is not None else None,
+                            self._store_failed,
+                        )
             except StoreError as exc:
-                self.metrics.store_errors.labels("get", exc.code.value).inc()
+                self._store_failed("get", exc)
                 got = [exc.code] * len(batch)
             for j, code in zip(batch, got, strict=True):
                 codes[j] = code
         return codes
+
+    def _buffers(self, memory: SessionMemory, chunks: Sequence[Chunk]) -> list[Buffers]:
+        """Every chunk's slices in engine memory (bounds checked); device memory is moved through views, so its
+        chunks are only checked."""
+        if memory.device is None:
+            return [memory.buffers(c.group, c.block_id, c.part) for c in chunks]
+        for c in chunks:
+            memory.check(c.group, c.block_id, c.part)
+        return []
+
+    def _area(self, memory: SessionMemory) -> StagingArea:
+        """The staging area of the device that holds memory."""
+        if self.gpu is None or memory.device is None:
+            raise BadRequest("this daemon moves no device memory")
+        return self.gpu.area(memory.device)
+
+    def _store_failed(self, operation: str, exc: StoreError) -> None:
+        self.metrics.store_errors.labels(operation, exc.code.value).inc()
 
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""

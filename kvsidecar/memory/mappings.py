@@ -15,13 +15,14 @@ import mmap
 import os
 import re
 import stat
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden
 from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
 from kvsidecar.memory.memfd import MemfdMapping
 from kvsidecar.memory.populate import Populator
+from kvsidecar.memory.views import host_tensor
 from kvsidecar.values import CudaHandle, Handle, MemfdHandle, ShmHandle
 
 __all__ = ["SHM_DIR", "CudaIpcMapping", "Mapping", "MemfdMapping", "Opener", "ShmMapping"]
@@ -36,6 +37,10 @@ class Mapping(Protocol):
     address: int
     size: int
     identity: tuple[object, ...]  # the same memory has the same identity, whatever name reached it
+    device: str  # "cpu" (host memory) or "cuda:N"
+
+    def tensor(self) -> Any:
+        """The whole mapping as a 1-D uint8 tensor on its device (torch), for the device path's views."""
 
     def check(self) -> None:
         """Raise BadRequest if the memory can no longer be used safely."""
@@ -75,7 +80,12 @@ class ShmMapping:
         self.size = size
         self.name = name
         self.identity: tuple[object, ...] = ("shm", st.st_dev, st.st_ino)
+        self.device = "cpu"
         self._populator = Populator(self.address, size, f"shared memory {name!r}", self._fd)
+
+    def tensor(self) -> Any:
+        """The segment as a CPU tensor, without a copy."""
+        return host_tensor(self.address, self.size)
 
     def check(self) -> None:
         """Refuse a segment that shrank or lost pages since registration: the daemon would crash or pay for them."""
@@ -135,6 +145,11 @@ class CudaIpcMapping:
         self.address = int(self._tensor.data_ptr())
         self.size = size
         self.identity: tuple[object, ...] = ("cuda", handle.device, bytes(handle.handle), handle.storage_offset)
+        self.device = f"cuda:{handle.device}"
+
+    def tensor(self) -> Any:
+        """The allocation as a 1-D uint8 tensor on its device (what the device path's views are cut from)."""
+        return self._tensor[: self.size]
 
     def check(self) -> None:
         """CUDA allocations cannot shrink under an open IPC handle."""
@@ -151,10 +166,20 @@ class Opener:
     accepted from this session (only from trusted ranks: a named segment can be truncated under a transfer).
     """
 
-    def __init__(self, fds: Sequence[int] = (), *, shm_names: bool = False, shm_dir: str = SHM_DIR) -> None:
+    def __init__(
+        self,
+        fds: Sequence[int] = (),
+        *,
+        shm_names: bool = False,
+        shm_dir: str = SHM_DIR,
+        cuda: Callable[[], None] | None = None,
+    ) -> None:
+        """cuda waits until the daemon's GPU path can take CUDA memory, or raises why it cannot; without it CUDA
+        regions are refused."""
         self._fds = fds
         self._shm_names = shm_names
         self._shm_dir = shm_dir
+        self._cuda = cuda
 
     def key(self, i: int, handle: Handle | None) -> str:
         """What identifies region i's mapping within the registration (views of one segment share it)."""
@@ -185,6 +210,9 @@ class Opener:
         if isinstance(handle, ShmHandle):
             return ShmMapping(handle.name, size, self._shm_dir)
         if isinstance(handle, CudaHandle):
+            if self._cuda is None:
+                raise BadRequest("CUDA memory, but this daemon has no GPU path: register host memory instead")
+            self._cuda()  # the contexts start in the background: a registration right after the daemon's start waits
             return CudaIpcMapping(handle, size)
         raise BadRequest("a region needs a shm or cuda handle, or a memfd")
 

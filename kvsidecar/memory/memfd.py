@@ -8,10 +8,12 @@ import fcntl
 import mmap
 import os
 import stat
+from typing import Any
 
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
 from kvsidecar.memory.populate import Populator
+from kvsidecar.memory.views import host_tensor
 
 __all__ = ["MemfdMapping"]
 
@@ -57,7 +59,12 @@ class MemfdMapping:
         self.address = ctypes.addressof(self._view)
         self.size = size
         self.identity: tuple[object, ...] = ("memfd", st.st_dev, st.st_ino)
+        self.device = "cpu"
         self._populator = Populator(self.address, size, self.name, self._fd)
+
+    def tensor(self) -> Any:
+        """The memfd as a CPU tensor, without a copy."""
+        return host_tensor(self.address, self.size)
 
     def check(self) -> None:
         """Refuse a memfd its owner punched holes in: the daemon would fault them back in on its own account."""

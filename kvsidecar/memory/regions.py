@@ -13,6 +13,7 @@ from typing import Protocol
 
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory.mappings import Mapping
+from kvsidecar.memory.views import SliceTemplate, ValueViews
 from kvsidecar.values import Handle, RegionRequest
 from kvsidecar_contract.limits import MAX_REGIONS
 
@@ -56,12 +57,17 @@ class SessionMemory:
         num_groups: int,
         opener: MappingOpener,
         cuts: Sequence[tuple[int, int]] = (),
+        *,
+        host_views: bool = False,
     ) -> None:
         """Check every region, then map each distinct piece of memory once; all or nothing.
 
         cuts[g] = (values, heads): values > 1 cuts every block of group g into that many values, each of the same
         number of the rank's `heads` KV heads (docs/placement.md rule 11): every region of the group must then
         declare that its block is those `heads` head-major parts.
+
+        Memory on a GPU gets the device path's copy plan (`views`, `device`); host_views builds it for host memory
+        too, where the device path stands in for a GPU's (tests of that path on a machine without one).
         """
         parts = [values for values, _ in cuts] or [1] * num_groups
         heads = [h for _, h in cuts] or [1] * num_groups
@@ -116,6 +122,31 @@ class SessionMemory:
         self._sizes = [
             tuple(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts, strict=True)
         ]
+        key_of = {id(m): key for key, m in self.mappings.items()}
+        # Where each value's slices lie, per group and part: the addresses above, as the device path's copy plan.
+        self.templates = [
+            [
+                [
+                    SliceTemplate(key_of[id(r.mapping)], r.offset + p * z, r.stride, z)
+                    for r, z in zip(rs, sz, strict=True)
+                ]
+                for p in range(n)
+            ]
+            for rs, sz, n in zip(self.groups, self._sizes, parts, strict=True)
+        ]
+        self.device = _device_of(list(self.mappings.values()), host_views)
+        self._views: dict[tuple[int, int], ValueViews] = {}
+        if self.device is not None:
+            try:
+                tensors = {key: m.tensor() for key, m in self.mappings.items()}
+                self._views = {
+                    (g, p): ValueViews(templates, tensors)
+                    for g, per_part in enumerate(self.templates)
+                    for p, templates in enumerate(per_part)
+                }
+            except BaseException:
+                self.close()
+                raise
 
     def buffers(self, group: int, block_id: int, part: int = 0) -> tuple[list[int], list[int]]:
         """Addresses and sizes of one stored value: a block's slices in every region of its group, in order.
@@ -139,6 +170,17 @@ class SessionMemory:
                 for base, s, size in zip(self._bases[group], self._strides[group], sizes, strict=True)
             ]
         return addresses, list(sizes)
+
+    def check(self, group: int, block_id: int, part: int = 0) -> None:
+        """Raise BadRequest unless block_id (and part) names a block every region of the group holds."""
+        if not 0 <= block_id < self._blocks_in_group[group]:
+            self._out_of_bounds(group, block_id)
+        if not 0 <= part < self._parts[group]:
+            raise BadRequest(f"group {group}: value part {part} of a block cut in {self._parts[group]}")
+
+    def views(self, group: int, part: int = 0) -> ValueViews:
+        """The device path's copy plan of (group, part); only for memory with a `device`."""
+        return self._views[(group, part)]
 
     def _out_of_bounds(self, group: int, block_id: int) -> None:
         for i, region in enumerate(self.groups[group]):
@@ -171,10 +213,26 @@ class SessionMemory:
             self._closed = True
             # Unmapping under a running transfer would crash the daemon: wait for them (they are bounded).
             self._lock.wait_for(lambda: self._in_flight == 0)
+        self._views = {}  # they point into the mappings
         for m in self.mappings.values():
             if unregister is not None:
                 unregister(m.address)
             m.close()
+
+
+def _device_of(mappings: Sequence[Mapping], host_views: bool) -> str | None:
+    """ "cuda:N" when every mapping is CUDA memory of device N; "cpu" for host memory under host_views; else None.
+
+    A session's memory is on one device or none: its values are gathered and scattered on that device."""
+    devices = {m.device for m in mappings}
+    if len(devices) > 1:
+        raise BadRequest(
+            f"a session's regions must all be host memory or all on one GPU, got {', '.join(sorted(devices))}"
+        )
+    (device,) = devices
+    if device != "cpu":
+        return device
+    return "cpu" if host_views else None
 
 
 def _common(values: Sequence[int]) -> int | None:

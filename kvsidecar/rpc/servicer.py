@@ -95,9 +95,10 @@ class SidecarService(pb_grpc.SidecarServicer):
         master_address: str = "",
         side_socket: bool = False,
         listeners: Callable[[], list[tuple[Listener, int]]] = list,
+        gpu: Callable[[], str] = lambda: "off",
     ) -> None:
         """side_socket: whether sessions get a side secret (the daemon serves a side socket); listeners: every
-        listener of the daemon with the packets it refused (the fence's report)."""
+        listener of the daemon with the packets it refused (the fence's report); gpu: the GPU path's state."""
         self.datapath = datapath
         self.sessions = sessions
         self.tenancy = tenancy
@@ -105,6 +106,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         self.master_address = master_address
         self._side_socket = side_socket
         self._listeners = listeners
+        self._gpu = gpu
         # KeepAlive and Stats answer from this, refreshed by the daemon's housekeeping: asking a slow master on
         # the event loop would stall every tenant's requests.
         self.health = StoreHealth(False, "not checked yet")
@@ -310,6 +312,7 @@ class SidecarService(pb_grpc.SidecarServicer):
                 self.tenancy.table.describe(),
                 ",".join(sorted(scope.tenants)),
                 self._listeners(),
+                self._gpu(),
             )
 
         return work

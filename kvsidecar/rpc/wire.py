@@ -414,8 +414,9 @@ def stats_response(
     tenancy: str = "",
     caller_tenant: str = "",
     listeners: Sequence[tuple[Listener, int]] = (),
+    gpu: str = "",
 ) -> pb.StatsResponse:
-    """The daemon's state for operators, with every listener and the packets it refused."""
+    """The daemon's state for operators, with every listener and the packets it refused, and the GPU path's."""
     return pb.StatsResponse(
         daemon_version=__version__,
         uptime_seconds=uptime_seconds,
@@ -430,6 +431,7 @@ def stats_response(
             pb.ListenerInfo(role=item.role, address=item.address, allowed=item.allowed, dropped_packets=drops)
             for item, drops in listeners
         ],
+        gpu=gpu,
     )
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden, OutOfOrder, UnknownSession
 from kvsidecar.memory.mappings import Opener
@@ -32,6 +33,16 @@ __all__ = ["SessionRegistry"]
 log = logging.getLogger(__name__)
 
 
+class Devices(Protocol):
+    """The GPU path as sessions see it (gpu.runtime.GpuRuntime)."""
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until CUDA memory can be taken; raise BadRequest with the reason it cannot."""
+
+    def admit(self, memory: SessionMemory) -> None:
+        """Raise BadRequest unless the path can move this memory's values (its device, their sizes)."""
+
+
 class SessionRegistry:
     """Open sessions by id and the memory they attach; a session not renewed within the TTL is closed and released.
 
@@ -47,8 +58,14 @@ class SessionRegistry:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         shares: SessionShares | None = None,
+        devices: Devices | None = None,
+        host_views: bool = False,
     ) -> None:
+        """devices: the GPU path, which takes CUDA memory (without it CUDA memory is refused); host_views: host memory
+        moves through the device path too, a CPU standing in for a GPU (tests of that path)."""
         self.ttl = ttl
+        self._devices = devices
+        self._host_views = host_views
         self.shares = shares or SessionShares()
         self._register = register
         self._unregister = unregister
@@ -195,8 +212,9 @@ class SessionRegistry:
             memory = SessionMemory(
                 regions,
                 len(session.layout.groups),
-                Opener(fds, shm_names=session.shm_names),
+                Opener(fds, shm_names=session.shm_names, cuda=self._devices.wait_ready if self._devices else None),
                 [(len(g.own), session.layout.kv_heads_of_rank()) for g in session.geometry.groups],
+                host_views=self._host_views,
             )
         except BaseException:
             self._give_memfds(session, session.memfds_counted)
@@ -209,6 +227,10 @@ class SessionRegistry:
         )
         counted = 0
         try:
+            if memory.device is not None:
+                if self._devices is None:
+                    raise BadRequest("this daemon moves no device memory")
+                self._devices.admit(memory)
             self._take_bytes(session, memory.host_bytes)
             counted = memory.host_bytes
             try:

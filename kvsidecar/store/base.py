@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 from kvsidecar.errors import StoreError
 from kvsidecar.store.codes import Presence, StoreCode
 
-__all__ = ["Presence", "Store", "StoreHealth", "check_batch_shapes"]
+__all__ = ["Presence", "Replica", "Store", "StoreHealth", "check_batch_shapes"]
 
 
 class StoreHealth(NamedTuple):
@@ -16,6 +16,13 @@ class StoreHealth(NamedTuple):
 
     healthy: bool
     detail: str
+
+
+class Replica(NamedTuple):
+    """Where a value's bytes lie in this process's own segment memory."""
+
+    address: int
+    size: int
 
 
 class Store(Protocol):
@@ -37,15 +44,34 @@ class Store(Protocol):
         ...
 
     def put_from(
-        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        device: bool = False,
     ) -> list[StoreCode]:
-        """One batch put; an existing key keeps its old value and reports OK."""
+        """One batch put; an existing key keeps its old value and reports OK.
+
+        device: the buffers are GPU memory (the device path's staging), which Mooncake's CUDA build reads itself;
+        what must read the bytes on the CPU (the disk tier's write-behind) takes them from the stored replica.
+        """
         ...
 
     def get_into(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[StoreCode]:
         """One batch get; OK only when exactly sum(sizes) bytes were written for that key."""
+        ...
+
+    def locate(self, keys: Sequence[str]) -> list[Replica | None]:
+        """Per key, its value's complete replica in this process's own segment memory, read-leased as a get is
+        (the master's lease time), for the device path to copy itself; None where it is not there (absent, on
+        another node, only on disk)."""
+        ...
+
+    def segment(self) -> Replica | None:
+        """This process's own segment memory, where `locate` finds replicas (None: it has none, or not yet known)."""
         ...
 
     def remove(self, keys: Sequence[str], *, force: bool = True) -> list[StoreCode]:

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 
 from kvsidecar.errors import StoreError, StoreUnavailable
-from kvsidecar.store.base import Presence, StoreHealth, check_batch_shapes
+from kvsidecar.store.base import Presence, Replica, StoreHealth, check_batch_shapes
 from kvsidecar.store.codes import StoreCode, presence_of_failure
 
 __all__ = ["OPERATIONS", "Fault", "MemoryStore", "Operation"]
@@ -113,9 +113,15 @@ class MemoryStore:
             return result
 
     def put_from(
-        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        device: bool = False,
     ) -> list[StoreCode]:
-        """One batch put; an existing key keeps its old value and reports OK."""
+        """One batch put; an existing key keeps its old value and reports OK. It reads every buffer on the CPU:
+        device buffers are those of the device path standing in for a GPU's (host memory)."""
         check_batch_shapes(keys, addresses, sizes)
         with self._lock:
             self._check_open()
@@ -129,6 +135,16 @@ class MemoryStore:
         with self._lock:
             self._check_open()
             return [self._get_one(key, a, s) for key, a, s in zip(keys, addresses, sizes, strict=True)]
+
+    def locate(self, keys: Sequence[str]) -> list[Replica | None]:
+        """None for every key: values live in Python objects here, not in a segment anyone may copy from."""
+        with self._lock:
+            self._check_open()
+        return [None] * len(keys)
+
+    def segment(self) -> Replica | None:
+        """None: no segment memory."""
+        return None
 
     def remove(self, keys: Sequence[str], *, force: bool = True) -> list[StoreCode]:
         """Remove each key; NOT_FOUND for a key that is not there (no leases here, so force changes nothing)."""

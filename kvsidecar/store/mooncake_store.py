@@ -27,6 +27,7 @@ measured on 2 cores over loopback):
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -36,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvsidecar.errors import StoreError, StoreUnavailable
-from kvsidecar.store.base import Presence, StoreHealth, check_batch_shapes
+from kvsidecar.store.base import Presence, Replica, StoreHealth, check_batch_shapes
 from kvsidecar.store.codes import SUCCESS, Health, StoreCode, from_mooncake, presence_from_mooncake
-from kvsidecar.store.prefault import SegmentPrefault
+from kvsidecar.store.prefault import SegmentPrefault, locate_segment
 
 __all__ = [
     "DEFAULT_GLOBAL_SEGMENT_SIZE",
@@ -58,9 +59,11 @@ DEFAULT_LOCAL_BUFFER_SIZE = 16 * MIB
 _REGEX_SPECIAL = frozenset("\\^$.*+?()[]{}|/")
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 # Existence checks of more than _EXISTS_PART_KEYS keys per part are split into up to _EXISTS_PARTS concurrent calls.
 _EXISTS_PARTS = max(1, min(4, os.cpu_count() or 1))
 _EXISTS_PART_KEYS = 8192
+_COMPLETE = 3  # mooncake.store.ReplicaStatus.COMPLETE: a replica whose bytes are all written
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +116,7 @@ class MooncakeStore:
         self._in_flight = 0
         self._closed = False
         self.prefault: SegmentPrefault | None = None
+        self._segment: Replica | None = None
         self._exists_pool = ThreadPoolExecutor(_EXISTS_PARTS, thread_name_prefix="kvsidecar-exists")
         self._health_note = ""  # appended to the health detail (the disk tier's recovery at start)
 
@@ -153,8 +157,13 @@ class MooncakeStore:
         config = ReplicateConfig()
         config.replica_num = settings.replica_num
         store = cls(native, settings, config)
-        if settings.prefault_segment and settings.global_segment_size:
-            store.prefault = SegmentPrefault(store._call, store._client, settings.global_segment_size, ReplicateConfig)
+        if settings.global_segment_size:
+            try:
+                store._segment = locate_segment(store._call, settings.global_segment_size, ReplicateConfig)
+            except (AttributeError, RuntimeError, OSError, StoreError) as exc:
+                log.warning("could not locate the Mooncake segment (no pre-fault, no direct GPU copies): %s", exc)
+        if settings.prefault_segment and store._segment is not None:
+            store.prefault = SegmentPrefault(store._client, store._segment)
             store.prefault.start()
         return store
 
@@ -235,9 +244,15 @@ class MooncakeStore:
         return found
 
     def put_from(
-        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        device: bool = False,
     ) -> list[StoreCode]:
-        """One batch put; an existing key keeps its old value and reports OK."""
+        """One batch put; an existing key keeps its old value and reports OK (device buffers: the CUDA build reads
+        them with cudaMemcpy, one per buffer)."""
         check_batch_shapes(keys, addresses, sizes)
         if not keys:
             self._ensure_open()
@@ -260,6 +275,33 @@ class MooncakeStore:
             self._ensure_open()
             return []
         return self._call("batch_get_into_multi_buffers", lambda n: _get_into(n, keys, addresses, sizes))
+
+    def locate(self, keys: Sequence[str]) -> list[Replica | None]:
+        """Per key, its complete memory replica inside this client's own segment (one metadata call; the master
+        grants the read lease a get takes, so the replica is not evicted meanwhile)."""
+        segment = self._segment
+        if not keys or segment is None:
+            self._ensure_open()
+            return [None] * len(keys)
+        found = self._call("batch_get_replica_desc", lambda n: n.batch_get_replica_desc(list(keys)))
+        low, high = segment.address, segment.address + segment.size
+        out: list[Replica | None] = []
+        for key in keys:
+            here = None
+            for r in found.get(key, ()):
+                if not r.is_memory_replica() or int(r.status) != _COMPLETE:
+                    continue
+                buffer = r.get_memory_descriptor().buffer_descriptor
+                address, size = int(buffer.buffer_address), int(buffer.size)
+                if low <= address and address + size <= high:
+                    here = Replica(address, size)
+                    break
+            out.append(here)
+        return out
+
+    def segment(self) -> Replica | None:
+        """This client's own segment (located by a probe at connect), or None."""
+        return self._segment
 
     def remove(self, keys: Sequence[str], *, force: bool = True) -> list[StoreCode]:
         """Batch remove; forced by default (a leased key goes too), since callers remove values known to be bad."""

@@ -17,9 +17,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvsidecar.errors import StoreError, StoreUnavailable
+from kvsidecar.store.base import Replica
 from kvsidecar.store.codes import SUCCESS, StoreCode
 
-__all__ = ["SegmentPrefault", "writable_mapping_end"]
+__all__ = ["SegmentPrefault", "locate_segment", "writable_mapping_end"]
 
 log = logging.getLogger(__name__)
 
@@ -30,29 +31,49 @@ _PROBE_KEY = "__kvsidecar_segment_probe__"
 _PAGE = 4096
 
 
-class SegmentPrefault:
-    """Faults a client's own segment in, chunk by chunk, in a background thread.
+def locate_segment(
+    call: Callable[[str, Callable[[Any], Any]], Any], segment_size: int, config_type: Any
+) -> Replica | None:
+    """Where a client's own segment lies in this process: (address, size), or None when that cannot be told.
 
     Mooncake does not say where it put the segment, so a small probe value is put into the client's own segment
     (preferred_segment = its hostname); in an empty segment it lands at the start, and the segment is the
-    `segment_size` bytes from there, clipped to the mapping that holds the probe. MADV_POPULATE_WRITE fills in page
-    tables as a write would, without writing: safe while puts and gets run. Best effort: a failure only logs.
+    `segment_size` bytes from there, clipped to the mapping that holds the probe. `call(what, fn)` runs fn on the
+    native client (raising StoreError).
+    """
+    hostname = call("get_hostname", lambda n: n.get_hostname())
+    config = config_type()
+    config.replica_num = 1
+    config.preferred_segment = hostname
+    key = f"{_PROBE_KEY}/{hostname}/{secrets.token_hex(8)}"
+    if call("put", lambda n: n.put(key, bytes(64), config)) != SUCCESS:
+        raise StoreError(StoreCode.INTERNAL, "the probe put failed")
+    try:
+        replicas = call("get_replica_desc", lambda n: n.get_replica_desc(key))
+    finally:
+        call("remove", lambda n: n.remove(key, True))
+    addresses = [
+        int(r.get_memory_descriptor().buffer_descriptor.buffer_address) for r in replicas if r.is_memory_replica()
+    ]
+    for address in addresses:
+        end = writable_mapping_end(address)
+        if end is not None:
+            return Replica(address, min(end, address + segment_size) - address)
+    log.info("the segment probe landed outside this process: its segment is not known")
+    return None
 
-    `call(what, fn)` runs fn on the native client (raising StoreError); `hold()` keeps the client open for a block
-    (raising StoreUnavailable once it is closed), so closing waits for at most one chunk.
+
+class SegmentPrefault:
+    """Faults a client's own segment in, chunk by chunk, in a background thread.
+
+    MADV_POPULATE_WRITE fills in page tables as a write would, without writing: safe while puts and gets run. Best
+    effort: a failure only logs. `hold()` keeps the client open for a block (raising StoreUnavailable once it is
+    closed), so closing waits for at most one chunk.
     """
 
-    def __init__(
-        self,
-        call: Callable[[str, Callable[[Any], Any]], Any],
-        hold: Callable[[], AbstractContextManager[Any]],
-        segment_size: int,
-        config_type: Any,
-    ) -> None:
-        self._call = call
+    def __init__(self, hold: Callable[[], AbstractContextManager[Any]], segment: Replica) -> None:
         self._hold = hold
-        self._segment_size = segment_size
-        self._config_type = config_type
+        self._segment = segment
         self._thread = threading.Thread(target=self._run, name="kvsidecar-prefault", daemon=True)
         self.done = threading.Event()
         self.bytes = 0
@@ -63,37 +84,13 @@ class SegmentPrefault:
 
     def _run(self) -> None:
         try:
-            span = self._locate()
-            if span is not None:
-                self._populate(*span)
+            self._populate(self._segment.address, self._segment.address + self._segment.size)
         except StoreUnavailable:
             pass  # closed meanwhile
-        except (AttributeError, RuntimeError, OSError, StoreError) as exc:
+        except OSError as exc:
             log.warning("could not pre-fault the Mooncake segment (puts will fault it in): %s", exc)
         finally:
             self.done.set()
-
-    def _locate(self) -> tuple[int, int] | None:
-        hostname = self._call("get_hostname", lambda n: n.get_hostname())
-        config = self._config_type()
-        config.replica_num = 1
-        config.preferred_segment = hostname
-        key = f"{_PROBE_KEY}/{hostname}/{secrets.token_hex(8)}"
-        if self._call("put", lambda n: n.put(key, bytes(64), config)) != SUCCESS:
-            raise StoreError(StoreCode.INTERNAL, "the probe put failed")
-        try:
-            replicas = self._call("get_replica_desc", lambda n: n.get_replica_desc(key))
-        finally:
-            self._call("remove", lambda n: n.remove(key, True))
-        addresses = [
-            int(r.get_memory_descriptor().buffer_descriptor.buffer_address) for r in replicas if r.is_memory_replica()
-        ]
-        for address in addresses:
-            end = writable_mapping_end(address)
-            if end is not None:
-                return address, min(end, address + self._segment_size)
-        log.info("the segment probe landed outside this process; not pre-faulting")
-        return None
 
     def _populate(self, start: int, end: int) -> None:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -191,6 +191,11 @@ class DiskEngine:
             self._wake.notify()
         return True
 
+    def skip(self, reason: str) -> None:
+        """Count a value not written behind, for a reason of the caller's (e.g. its bytes are nowhere the CPU reads)."""
+        with self._lock:
+            self.stats.skipped[reason] += 1
+
     def read_into(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[ReadResult]:

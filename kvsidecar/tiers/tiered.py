@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvsidecar.errors import StoreError
-from kvsidecar.store.base import Presence, Store, StoreHealth, check_batch_shapes
+from kvsidecar.store.base import Presence, Replica, Store, StoreHealth, check_batch_shapes
 from kvsidecar.store.codes import StoreCode, presence_of_failure
 from kvsidecar.tiers.engine import DiskEngine
 from kvsidecar.tiers.results import ReadResult
@@ -88,10 +88,20 @@ class TieredStore:
             self.disk.prefetch(keys)
 
     def put_from(
-        self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        device: bool = False,
     ) -> list[StoreCode]:
-        """Put into DRAM and queue each stored (or DRAM-refused for space) value for the disk."""
-        codes = _per_key(self.dram.put_from, keys, addresses, sizes)
+        """Put into DRAM and queue each stored (or DRAM-refused for space) value for the disk.
+
+        The disk copies on the CPU: from device buffers (GPU memory) it copies DRAM's replica in this process's
+        segment instead, and a value DRAM holds elsewhere or refused is not written behind (counted)."""
+        codes = _per_key(lambda k, a, s: self.dram.put_from(k, a, s, device=device), keys, addresses, sizes)
+        if device:
+            return self._behind_device(keys, codes)
         out = []
         for key, a, s, code in zip(keys, addresses, sizes, codes, strict=True):
             if code is StoreCode.OK:
@@ -100,6 +110,20 @@ class TieredStore:
                 code = StoreCode.OK
             out.append(code)
         return out
+
+    def _behind_device(self, keys: Sequence[str], codes: list[StoreCode]) -> list[StoreCode]:
+        stored = [j for j, code in enumerate(codes) if code is StoreCode.OK]
+        try:
+            # Read-leased: the replica stays put while the disk engine copies it.
+            found = self.dram.locate([keys[j] for j in stored]) if stored else []
+        except StoreError:
+            found = [None] * len(stored)
+        for j, replica in zip(stored, found, strict=True):
+            if replica is None:
+                self.disk.skip("device_source")
+            else:
+                self.disk.enqueue(keys[j], [replica.address], [replica.size])
+        return codes
 
     def get_into(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -127,6 +151,14 @@ class TieredStore:
         if ok:
             self._on_served([tier[j] for j in ok], [sum(sizes[j]) for j in ok])
         return codes
+
+    def locate(self, keys: Sequence[str]) -> list[Replica | None]:
+        """DRAM's replicas in this process's segment (none while the disk alone is asked)."""
+        return [None] * len(keys) if self.disk_only() else self.dram.locate(keys)
+
+    def segment(self) -> Replica | None:
+        """DRAM's segment."""
+        return self.dram.segment()
 
     def tiers(self, keys: Sequence[str]) -> list[str]:
         """Where each key is now: DRAM's answer ("memory", or Mooncake's own "disk"), else "disk" for a value

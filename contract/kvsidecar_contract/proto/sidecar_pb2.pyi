@@ -452,7 +452,7 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ..., tenant: _Optional[str] = ..., data_connections: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "listeners", "tenancy", "caller_tenant")
+    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "listeners", "tenancy", "caller_tenant", "gpu")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +470,7 @@ class StatsResponse(_message.Message):
     LISTENERS_FIELD_NUMBER: _ClassVar[int]
     TENANCY_FIELD_NUMBER: _ClassVar[int]
     CALLER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     uptime_seconds: float
     store_healthy: bool
@@ -480,7 +481,8 @@ class StatsResponse(_message.Message):
     listeners: _containers.RepeatedCompositeFieldContainer[ListenerInfo]
     tenancy: str
     caller_tenant: str
-    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., listeners: _Optional[_Iterable[_Union[ListenerInfo, _Mapping]]] = ..., tenancy: _Optional[str] = ..., caller_tenant: _Optional[str] = ...) -> None: ...
+    gpu: str
+    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., listeners: _Optional[_Iterable[_Union[ListenerInfo, _Mapping]]] = ..., tenancy: _Optional[str] = ..., caller_tenant: _Optional[str] = ..., gpu: _Optional[str] = ...) -> None: ...
 
 class ListenerInfo(_message.Message):
     __slots__ = ("role", "address", "allowed", "dropped_packets")

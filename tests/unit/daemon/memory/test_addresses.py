@@ -16,6 +16,7 @@ class FakeMapping:
     address: int
     size: int
     identity: tuple[object, ...] = ("fake",)
+    device: str = "cpu"
 
     def check(self) -> None:
         pass

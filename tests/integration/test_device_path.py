@@ -1,0 +1,91 @@
+"""The device path over a real Mooncake client (a real master), a CPU standing in for the GPU: loads copy each
+value straight from its replica in this process's segment (the store says where, with a read lease), adjacent
+replicas at once; what is not in the segment comes through the store; the disk tier writes a device save behind
+from the DRAM replica, since nothing on the CPU can read device memory."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from kvsidecar.store import StoreCode
+from kvsidecar.tiers.engine import DiskEngine
+from kvsidecar.tiers.tiered import TieredStore
+from kvsidecar_contract.placement import GroupSpec, Kind
+from support.devicepath import hashes, rank
+
+pytestmark = pytest.mark.integration
+MiB = 1 << 20
+
+
+def test_the_store_locates_replicas_in_its_own_segment_only(mooncake_store, key_prefix):
+    segment = mooncake_store.segment()
+    assert segment is not None and segment.size >= 16 * MiB
+    data = ctypes.create_string_buffer(b"v" * 4096)
+    keys = [f"{key_prefix}{i}" for i in range(3)]
+    assert mooncake_store.put_from(keys, [[ctypes.addressof(data)]] * 3, [[4096]] * 3) == [StoreCode.OK] * 3
+    found = mooncake_store.locate([*keys, f"{key_prefix}absent"])
+    assert found[3] is None
+    for replica in found[:3]:
+        assert replica is not None and replica.size == 4096
+        assert segment.address <= replica.address and replica.address + 4096 <= segment.address + segment.size
+        assert ctypes.string_at(replica.address, 4096) == b"v" * 4096
+
+
+class CountingGets:
+    """The store, counting the values read through it (what the device path does NOT copy itself)."""
+
+    def __init__(self, store):  # type: ignore[no-untyped-def]
+        self._store = store
+        self.read = 0
+
+    def get_into(self, keys, addresses, sizes):  # type: ignore[no-untyped-def]
+        self.read += len(keys)
+        return self._store.get_into(keys, addresses, sizes)
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self._store, name)
+
+
+def test_a_device_load_copies_from_the_segment_and_every_byte_arrives(mooncake_store, key_prefix):
+    groups = (GroupSpec(Kind.MLA, 16), GroupSpec(Kind.FULL_ATTENTION, 16))
+    counting = CountingGets(mooncake_store)
+    with rank(counting, groups=groups, model=f"{key_prefix}m") as r:
+        r.fill(11)
+        h = hashes(key_prefix, 8)
+        assert r.save(h, [list(range(8))] * 2).written == 16
+        keys = [k for k in _keys(r, h)]
+        assert all(x is not None for x in mooncake_store.locate(keys)), "the values are in this process's segment"
+        originals = {(g, b): r.value(g, b) for g in range(2) for b in range(8)}
+        out = r.load(h, [list(range(16, 24)), list(range(24, 32))])
+        assert (out.loaded, out.failures) == (16, ())
+        assert counting.read == 0, "every value was copied from its replica in the segment, none read by the store"
+        for g, first in ((0, 16), (1, 24)):
+            assert [r.value(g, first + b) for b in range(8)] == [originals[(g, b)] for b in range(8)]
+
+
+def test_a_device_save_is_written_behind_from_the_dram_replica(mooncake_store, key_prefix, tmp_path):
+    disk = DiskEngine(tmp_path, 64 * MiB, queue_bytes=16 * MiB, file_size=4 * MiB)
+    store = TieredStore(mooncake_store, disk)
+    try:
+        with rank(store, model=f"{key_prefix}m") as r:
+            r.fill(12)
+            h = hashes(key_prefix, 4)
+            assert r.save(h, [[0, 1, 2, 3]]).written == 4
+            assert disk.flush(30)
+            originals = [r.value(0, b) for b in range(4)]
+            # Gone from DRAM: the load finds nothing in the segment and reads the disk into the bounce.
+            assert mooncake_store.remove(_keys(r, h)) == [StoreCode.OK] * 4
+            out = r.load(h, [[8, 9, 10, 11]])
+            assert (out.loaded, out.failures) == (4, ())
+            assert [r.value(0, b) for b in (8, 9, 10, 11)] == originals
+    finally:
+        disk.close()
+
+
+def _keys(r, h):  # type: ignore[no-untyped-def]
+    from kvsidecar_contract.placement import save_plan
+
+    plan = save_plan(r.session.geometry, h, [list(range(len(h)))] * len(r.session.layout.groups), len(h) * 16)
+    return [c.key for c in plan.chunks]

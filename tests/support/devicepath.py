@@ -1,0 +1,126 @@
+"""The device (GPU) path with a CPU standing in for the GPU: a rank's KV cache in /dev/shm, a session over a given
+store, and the same data path the daemon runs on a GPU node (staging, views, rounds, direct copies of the segment).
+
+What it cannot show is CUDA itself (streams, page-locking, IPC): scripts/gpu/ checks that on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+from prometheus_client import CollectorRegistry
+
+from kvsidecar.datapath.transfers import DataPath
+from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
+from kvsidecar.metrics import Metrics
+from kvsidecar.sessions.registry import SessionRegistry
+from kvsidecar.sessions.session import Session
+from kvsidecar.store import Store
+from kvsidecar.testing.hashes import chained_hashes
+from kvsidecar.values import LoadArgs, RegionRequest, Role, SaveArgs, ShmHandle
+from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+
+KiB = 1 << 10
+BLOCK_TOKENS = 16
+
+
+@dataclass
+class Rank:
+    """One rank's memory (one /dev/shm segment, vLLM-like: every layer a view of it) and its session."""
+
+    segment: shared_memory.SharedMemory
+    session: Session
+    datapath: DataPath
+    registry: SessionRegistry
+    regions: list[RegionRequest]
+
+    def fill(self, seed: int) -> None:
+        """Distinct bytes everywhere (which block and which byte each came from)."""
+        data = bytearray(len(self.segment.buf))
+        for i in range(0, len(data), 4):
+            data[i : i + 4] = ((seed * 2654435761 + i) & 0xFFFFFFFF).to_bytes(4, "little")
+        self.segment.buf[:] = bytes(data)
+
+    def value(self, group: int, block: int) -> bytes:
+        """The bytes of a block as the host path addresses them (the oracle)."""
+        memory = self.session.require_memory()
+        addresses, sizes = memory.buffers(group, block)
+        return b"".join(ctypes.string_at(a, n) for a, n in zip(addresses, sizes, strict=True))
+
+    def save(self, hashes: Sequence[bytes], ids: Sequence[Sequence[int]]):  # type: ignore[no-untyped-def]
+        return self.datapath.save(self.session, SaveArgs(hashes, ids, len(hashes) * BLOCK_TOKENS))
+
+    def load(self, hashes: Sequence[bytes], ids: Sequence[Sequence[int]]):  # type: ignore[no-untyped-def]
+        tokens = len(hashes) * BLOCK_TOKENS
+        groups = len(self.session.layout.groups)
+        return self.datapath.load(self.session, LoadArgs(hashes, ids, tokens, (tokens,) * groups))
+
+
+def layers(
+    segment: shared_memory.SharedMemory, n: int, block_bytes: int, blocks: int, group: int
+) -> list[RegionRequest]:
+    """n layers of one buffer, layer-major (vLLM 0.33's allocation): one region each, one run for the views."""
+    size, name = len(segment.buf), segment.name
+    return [
+        RegionRequest(ShmHandle(name), size, i * block_bytes * blocks, block_bytes, block_bytes, blocks, (group,))
+        for i in range(n)
+    ]
+
+
+@contextmanager
+def rank(
+    store: Store,
+    *,
+    groups: Sequence[GroupSpec] = (GroupSpec(Kind.FULL_ATTENTION, BLOCK_TOKENS),),
+    device: bool = True,
+    layers_per_group: int = 4,
+    block_bytes: int = 4 * KiB,
+    blocks: int = 32,
+    staging_bytes: int = 1 << 20,
+    bounce_bytes: int = 256 * KiB,
+    model: str = "dev/model",
+) -> Iterator[Rank]:
+    """A rank on the device path (device=False: the host path, the same memory layout) over store."""
+    per_group = layers_per_group * block_bytes * blocks
+    segment = shared_memory.SharedMemory(create=True, size=per_group * len(groups))
+    segment.buf[:] = bytes(len(segment.buf))
+    metrics = Metrics(CollectorRegistry())
+    runtime = None
+    if device:
+        runtime = GpuRuntime(GpuSettings("auto", staging_bytes, bounce_bytes), store, metrics, devices=["cpu"])
+        runtime.start()
+    registry = SessionRegistry(
+        60, store.register_buffer, store.unregister_buffer, metrics=metrics, devices=runtime, host_views=device
+    )
+    regions = []
+    for g in range(len(groups)):
+        for r in layers(segment, layers_per_group, block_bytes, blocks, g):
+            regions.append(dataclasses.replace(r, offset=r.offset + g * per_group))
+    layout = Layout(model, tuple(groups), Parallel(), 1, BLOCK_TOKENS)
+    session = registry.open(Role.RANK, layout, 32, "device-path-test", grant=_trusted())
+    registry.attach(session, regions)
+    try:
+        yield Rank(segment, session, DataPath(store, metrics, gpu=runtime), registry, regions)
+    finally:
+        registry.close_all()
+        if runtime is not None:
+            runtime.stop()
+        segment.close()
+        segment.unlink()
+
+
+def _trusted():  # type: ignore[no-untyped-def]
+    from kvsidecar.tenancy.live import Grant
+    from kvsidecar.tenancy.table import SINGLE_TENANT
+
+    return Grant(SINGLE_TENANT, shm_names=True)
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    """n chained block hashes of a prompt of its own."""
+    return chained_hashes(tag, n)
