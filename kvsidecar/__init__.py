@@ -9,6 +9,7 @@ tests/unit/daemon/test_layering.py), and the pure placement rules come from kvsi
 - `values`: the domain values requests carry in and results carry out
 - `memory/`: every address; `tenancy/`: credentials, rights, budgets
 - `sessions/`: sessions and their leases; `tiers/`: the disk tier
+- `gpu/`: the GPU data path (CUDA started in the background, the segment page-locked, staging per device)
 - `datapath/`: save, lookup, load, reset against the store
 - `rpc/`: the gRPC boundary; `daemon/`: the process
 - `cli/`: the command line; `testing/`: real parts for tests, the demo and the bench

@@ -16,7 +16,7 @@ from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, Request
 
-__all__ = ["Clock", "DaemonPath", "DataPath", "MemcpyPath", "Timing", "model_name"]
+__all__ = ["Clock", "DaemonPath", "DataPath", "GatherDmaPath", "MemcpyPath", "Timing", "model_name"]
 
 
 class Timing(NamedTuple):
@@ -231,6 +231,68 @@ class MemcpyPath:
 
     def end(self) -> None:
         self.memory = None
+
+    def close(self) -> None:
+        self.end()
+
+
+class GatherDmaPath:
+    """The GPU's limit for vLLM-layout blocks: one gather kernel of the request's blocks into device staging and one
+    DMA into pinned host memory (save); one DMA up and one scatter kernel (load), synchronized, in this process.
+
+    What the daemon's device path does, without a daemon, a store, a key or a socket: the bound it is judged by.
+    """
+
+    name = "gather+dma"
+
+    def __init__(self, max_bytes: int) -> None:
+        import torch
+
+        self._torch = torch
+        self._staging = torch.empty(max_bytes, dtype=torch.uint8, device="cuda:0")
+        self._host = torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True)
+        self._host.fill_(0)
+        self.memory: EngineMemory | None = None
+        self._view: Any = None
+
+    def begin(self, shape: ModelShape, memory: EngineMemory) -> None:
+        self.memory = memory
+        self._view = memory.blocks_view()
+
+    def _staged(self, n: int) -> tuple[Any, Any]:
+        view = self._view
+        nbytes = n * view.shape[1] * view.shape[2] * 8
+        typed = self._staging[:nbytes].view(self._torch.int64).view(n, view.shape[1], view.shape[2])
+        return typed, nbytes
+
+    def save(self, request: Request, *, fresh: bool = False) -> Timing:
+        torch = self._torch
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        index = torch.tensor(request.save_ids, dtype=torch.int64, device="cuda:0")
+        typed, nbytes = self._staged(len(request.save_ids))
+        torch.index_select(self._view, 0, index, out=typed)
+        self._host[:nbytes].copy_(self._staging[:nbytes], non_blocking=True)
+        torch.cuda.synchronize()
+        return Timing(time.perf_counter() - t0, time.process_time() - cpu0)
+
+    def load(self, request: Request) -> Timing:
+        torch = self._torch
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        index = torch.tensor(request.load_ids, dtype=torch.int64, device="cuda:0")
+        typed, nbytes = self._staged(len(request.load_ids))
+        self._staging[:nbytes].copy_(self._host[:nbytes], non_blocking=True)
+        self._view.index_copy_(0, index, typed)
+        torch.cuda.synchronize()
+        return Timing(time.perf_counter() - t0, time.process_time() - cpu0)
+
+    def clear(self) -> None:
+        pass
+
+    def end(self) -> None:
+        self.memory = None
+        self._view = None
 
     def close(self) -> None:
         self.end()

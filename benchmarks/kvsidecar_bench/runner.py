@@ -22,7 +22,7 @@ from kvsidecar_bench.device import check_device
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import describe_machine, load_average, process_stats, wait_rss_settled
 from kvsidecar_bench.mooncake_direct import InProcessPath, RealClientPath
-from kvsidecar_bench.paths import DaemonPath, DataPath, MemcpyPath
+from kvsidecar_bench.paths import DaemonPath, DataPath, GatherDmaPath, MemcpyPath
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.render import render_markdown
 from kvsidecar_bench.report import Results, to_json
@@ -150,12 +150,18 @@ def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: Moo
         paths: list[DataPath] = [DaemonPath(daemon)]
         if want_throughput:
             assert in_process is not None
-            paths += [DaemonPath(daemon, data_socket=False), in_process]
+            top = max([*settings.blocks, settings.cold_blocks])
+            most = top * max(s.value_bytes for s in shapes)
+            if settings.device == "cuda":
+                # On a GPU the crossing is the same as on a CPU; what is new is the copy, judged by the GPU's limit.
+                paths += [in_process, GatherDmaPath(most)]
+                _wait_page_locked(daemon, progress)
+            else:
+                paths += [DaemonPath(daemon, data_socket=False), in_process]
             real = _real_client_path(settings, shapes, stack, workdir, logs, results, progress, mooncake)
             if real is not None:
                 paths.append(real)
-            top = max([*settings.blocks, settings.cold_blocks])
-            paths.append(MemcpyPath(top * max(s.value_bytes for s in shapes), settings.device))
+            paths.append(MemcpyPath(most, settings.device))
         results.paths = [p.name for p in paths]
         _device_notes(settings, results)
         progress.step("ready")
@@ -255,6 +261,16 @@ def _real_client_path(
     return path
 
 
+def _wait_page_locked(daemon: Daemon, progress: Progress, timeout: float = 120.0) -> None:
+    """Until the daemon has page-locked its segment (in the background, seconds per 10 GiB): the GPU path's speed."""
+    progress.note("waiting for the daemon to page-lock its segment")
+    deadline = time.monotonic() + timeout
+    while not daemon.metric_samples("kvsidecar_gpu_pinned_segment_bytes").get("", 0.0):
+        if time.monotonic() > deadline:
+            raise BenchError(f"the daemon did not page-lock its segment within {timeout:.0f} s (see its log)")
+        time.sleep(0.2)
+
+
 def _device_notes(settings: Settings, results: Results) -> None:
     if settings.device != "cuda":
         return
@@ -262,9 +278,12 @@ def _device_notes(settings: Settings, results: Results) -> None:
     name = gpu.get("name", "cuda:0") if isinstance(gpu, dict) else "cuda:0"
     if "throughput" in settings.sections:
         results.notes.append(
-            f"--device cuda: the data-path section's KV cache is on cuda:0 ({name}); the daemon maps it over CUDA "
-            "IPC, in-process Mooncake registers the same device buffers, memcpy is a synchronized device-to-host "
-            "copy into pinned host memory (host-to-device on load); loaded bytes are compared on the GPU."
+            f"--device cuda: the data-path section's KV cache is on cuda:0 ({name}), laid out as vLLM 0.33 allocates "
+            "it (one buffer, every layer a view of it); the daemon maps it over CUDA IPC and moves it with its GPU "
+            "path (gather/scatter kernels, one DMA per value or run of values, segment page-locked); gather+dma is "
+            "the limit (one gather kernel and one DMA to pinned memory, in this process); in-process Mooncake "
+            "registers the same device buffers; memcpy is a synchronized copy per tensor; loaded bytes are compared "
+            "on the GPU."
         )
     cpu_only = [s for s in ("step", "scaling", "volume") if s in settings.sections]
     if cpu_only:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from kvsidecar_bench.shapes import SHAPES
 
@@ -61,6 +62,15 @@ QUICK = Settings(
     segment_size=512 * MiB,
     out="",
 )
+
+
+# --device cuda, unless flags say otherwise: the sizes and shapes the GPU targets are judged at (issue 33), and a
+# segment that holds the largest request of the largest shape while it is loaded back.
+CUDA_DEFAULTS: dict[str, Any] = {
+    "blocks": (8, 32, 128, 256),
+    "shapes": ("mla", "gqa", "gqa-tp8"),
+    "segment_size": 4096 * MiB,
+}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -148,6 +158,10 @@ def from_args(args: argparse.Namespace) -> Settings:
         given = getattr(args, name, None)
         if given is not None and name not in ("quick", "real_client", "progress"):
             values[name] = given
+    if values["device"] == "cuda":
+        for name, value in CUDA_DEFAULTS.items():
+            if getattr(args, name, None) is None:
+                values[name] = value
     values["real_client"] = not getattr(args, "no_real_client", False)
     values["progress"] = not getattr(args, "no_progress", False)
     settings = Settings(**values)
@@ -174,6 +188,8 @@ def from_args(args: argparse.Namespace) -> Settings:
 def command_line(settings: Settings) -> str:
     """The `kvsidecar bench` invocation that reproduces this run."""
     base = QUICK if settings.quick else Settings()
+    if settings.device == "cuda":
+        base = replace(base, **CUDA_DEFAULTS)  # what --device cuda implies (the flag itself is still written)
     words = ["kvsidecar", "bench"]
     if settings.quick:
         words.append("--quick")

@@ -182,10 +182,9 @@ class EngineMemory:
             return cls.shared(shape, num_blocks, seed)
         import torch
 
-        tensors = [
-            torch.empty((num_blocks, BLOCK_TOKENS, *shape.token_dims), dtype=torch.bfloat16, device="cuda:0")
-            for _ in range(shape.regions)
-        ]
+        # As vLLM 0.33 allocates a KV cache: one buffer, every layer (K and V) a view of it, layer after layer.
+        whole = torch.empty(shape.regions * num_blocks * shape.slice_bytes, dtype=torch.uint8, device="cuda:0")
+        tensors = list(whole.view(shape.regions, num_blocks, shape.slice_bytes).unbind(0))
         memory = cls(shape, tensors)
         memory.fill(seed)
         torch.cuda.synchronize()  # the fill is queued on the stream; the daemon's Mooncake reads the memory directly
@@ -230,6 +229,17 @@ class EngineMemory:
 
         for mine, theirs in zip(self.tensors, other.tensors, strict=True):
             mine.view(torch.uint8).view(-1).copy_(theirs.view(torch.uint8).view(-1))
+
+    def blocks_view(self) -> torch.Tensor:
+        """[blocks, regions, slice bytes / 8] over the memory, when its regions are one buffer layer after layer (as
+        `allocate` lays out GPU memory): what one gather kernel reads and one scatter kernel writes."""
+        import torch
+
+        first, n, size = self.tensors[0], self.num_blocks, self.shape.slice_bytes
+        step = self.bases[1] - self.bases[0] if len(self.bases) > 1 else n * size
+        if any(b - self.bases[0] != r * step for r, b in enumerate(self.bases)) or step != n * size:
+            raise ValueError("the regions are not one buffer, layer after layer")
+        return torch.as_strided(first.view(torch.int64), (n, self.shape.regions, size // 8), (size // 8, step // 8, 1))
 
     def addresses(self, block_id: int) -> list[int]:
         """Where block `block_id`'s slices live, in registration order."""

@@ -14,7 +14,7 @@ from kvsidecar_bench.device import check_device, cuda_problems, mooncake_builds
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.render import render_markdown
 from kvsidecar_bench.report import headline
-from kvsidecar_bench.settings import QUICK, Settings, add_arguments, command_line, from_args
+from kvsidecar_bench.settings import CUDA_DEFAULTS, QUICK, Settings, add_arguments, command_line, from_args
 
 
 def parse(*argv: str) -> Settings:
@@ -42,7 +42,9 @@ def test_cpu_is_the_default_and_the_settings_are_unchanged():
 
 def test_cuda_is_recorded_in_the_command_line():
     s = parse("--quick", "--device", "cuda")
-    assert s.device == "cuda" and s.blocks == QUICK.blocks
+    # The GPU targets' sizes and shapes (issue 33), and a segment that holds the largest request being loaded back.
+    assert s.device == "cuda" and (s.blocks, s.shapes) == (CUDA_DEFAULTS["blocks"], CUDA_DEFAULTS["shapes"])
+    assert s.rounds == QUICK.rounds
     line = command_line(s)
     assert line == "kvsidecar bench --quick --device cuda"
     assert parse(*line.split()[2:]) == s

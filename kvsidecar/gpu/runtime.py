@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context of the process
 _PAGE = 4096
-_NVIDIA_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
+_NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
 
 
 def gpu_present(paths: Sequence[str] = _NVIDIA_NODES) -> bool:
