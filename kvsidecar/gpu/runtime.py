@@ -25,13 +25,14 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.store import Store
 from kvsidecar.store.base import Replica
 
-__all__ = ["GpuRuntime", "GpuSettings", "HostSegment", "gpu_present"]
+__all__ = ["CUDA_START_TIMEOUT_S", "GpuRuntime", "GpuSettings", "HostSegment", "gpu_present"]
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context of the process
 _PAGE = 4096
+CUDA_START_TIMEOUT_S = 120.0  # a registration waits this long for the contexts started at the daemon's start
 _NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
 
 
@@ -167,7 +168,7 @@ class GpuRuntime:
             if self.segment is not None:
                 self.segment = HostSegment(segment, self.segment.tensor, True)
 
-    def wait_ready(self, timeout: float | None = None) -> None:
+    def wait_ready(self, timeout: float = CUDA_START_TIMEOUT_S) -> None:
         """Block until CUDA has started (or failed); raise BadRequest if CUDA regions cannot be served."""
         if not self._ready.wait(timeout):
             raise BadRequest("the daemon's CUDA contexts are still starting; register again in a moment")

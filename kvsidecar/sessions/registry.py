@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class Devices(Protocol):
     """The GPU path as sessions see it (gpu.runtime.GpuRuntime)."""
 
-    def wait_ready(self, timeout: float | None = None) -> None:
+    def wait_ready(self) -> None:
         """Wait until CUDA memory can be taken; raise BadRequest with the reason it cannot."""
 
     def admit(self, memory: SessionMemory) -> None:
@@ -203,6 +203,7 @@ class SessionRegistry:
         """Map a rank's regions, claim them and register them with the store, once per session; all or nothing."""
         if session.role is not Role.RANK:
             raise Forbidden("a scheduler session cannot register memory")
+        began = time.monotonic()
         with session.lock:
             if session.memory is not None:
                 raise OutOfOrder("memory is already registered for this session (once per session)")
@@ -267,6 +268,15 @@ class SessionRegistry:
             self._give_memfds(session, session.memfds_counted)
             raise
         self._metrics.regions_bytes.inc(memory.mapped_bytes)
+        log.info(
+            "session %s registered %d regions: %d MiB of %s memory in %d mappings, in %.3f s",
+            session.id[:8],
+            len(regions),
+            memory.mapped_bytes >> 20,
+            memory.device or "host",
+            len(memory.mappings),
+            time.monotonic() - began,
+        )
         return memory
 
     def _give_memfds(self, session: Session, n: int) -> None:

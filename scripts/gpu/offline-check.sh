@@ -13,7 +13,7 @@
 #   OUT=dir            where logs and results go (default /tmp/kvsidecar-gpu-check)
 #   GPU_CHECK_ONLY=..  sections to run, e.g. "path bench" (default: all three)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/kvsidecar-gpu-check}
 ONLY=${GPU_CHECK_ONLY:-path bench serving}
 mkdir -p "$OUT"

@@ -309,6 +309,8 @@ def test_status_command(daemon, ranks):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "serving" in out.stdout and "store: healthy" in out.stdout and "Status" in out.stdout
+    # A node without a GPU never starts CUDA, and says so.
+    assert "gpu: off (no NVIDIA GPU on this node)" in out.stdout
     quiet = subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, timeout=30)
     assert (quiet.returncode, quiet.stdout) == (0, "")
     gone = subprocess.run(
