@@ -1,7 +1,7 @@
 """The daemon's configuration: one object, built from CLI flags and one optional TOML file.
 
-Each setting is declared once, as a field of `Config` with its help text and parser beside it (`setting`); the
-flags, the config file's keys and the defaults all come from those fields.
+Each setting is declared once, as a field of `Config` with its help text, parser and flag group beside it
+(`setting`); the flags, `serve --help`'s sections, the config file's keys and the defaults all come from those fields.
 
 Imports: errors, fence (the peer networks' parser), events (which event endpoints may be bound).
 """
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvsidecar.errors import ConfigError
 
@@ -55,13 +55,30 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", text.lower())
     if not m:
-        raise ConfigError(f"not a size: {text!r} (examples: 1GiB, 512MiB, 4096)")
+        raise ConfigError(f"not a size: {text!r} (a number of bytes, with an optional unit: 4096, 512MiB, 64M, 1GiB)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
     return int(float(m.group(1)) * scale)
 
 
 def _octal(text: str) -> int:
-    return int(text, 8)
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise ConfigError(f"not an octal permission: {text!r} (e.g. 0660)") from None
+
+
+# What a value of a plain Python parser looks like, for the message when it is not one.
+_LOOKS_LIKE: dict[Callable[[str], Any], str] = {int: "a whole number", float: "a number"}
+
+
+def parse_text(parse: Callable[[str], Any], text: str) -> Any:
+    """A flag's or config file's text as its setting's value; ConfigError says what the value should look like."""
+    try:
+        return parse(text)
+    except ConfigError:
+        raise
+    except ValueError:
+        raise ConfigError(f"not {_LOOKS_LIKE.get(parse, 'a valid value')}: {text!r}") from None
 
 
 def _flag_bool(text: str) -> bool:
@@ -72,17 +89,38 @@ def _flag_bool(text: str) -> bool:
     raise ConfigError(f"not a boolean: {text!r} (true or false)")
 
 
+class FlagGroup(NamedTuple):
+    """A section of `kvsidecar serve --help`."""
+
+    title: str
+    description: str
+
+
+SOCKETS = FlagGroup("sockets", "where engines and tools reach the daemon: its Unix socket and an optional TCP listener")
+STORE = FlagGroup("store", "the Mooncake master (embedded, or a cluster's) and this node's Mooncake client")
+DISK_TIER = FlagGroup("disk tier", "a disk behind the segment, the daemon's own (docs/ssd-tier.md)")
+TENANCY = FlagGroup("tenancy", "who may use which cache prefixes, and what local accounts are trusted with")
+LIMITS = FlagGroup("limits", "what one account and all of them together may hold, and the daemon's threads")
+EVENTS = FlagGroup("events", "KV events for prefix-aware routers (docs/kv-events.md)")
+GPU = FlagGroup("gpu", "the GPU data path on a node with an NVIDIA driver (a CPU node never starts CUDA)")
+LOGGING = FlagGroup("logging and metrics", "the daemon's log and its Prometheus endpoint")
+# The order of `serve --help`.
+FLAG_GROUPS = (SOCKETS, STORE, GPU, DISK_TIER, TENANCY, LIMITS, EVENTS, LOGGING)
+
+
 def setting(
     default: Any = dataclasses.MISSING,
     *,
     help: str,
+    group: FlagGroup,
     parse: Callable[[str], Any] = str,
     repeatable: bool = False,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """A Config field that is also a flag: its help text, how a flag's text becomes its value, and whether the flag
-    may be given several times (then the value is a tuple, and a config file gives a list)."""
-    metadata = {"help": help, "parse": parse, "repeatable": repeatable}
+    """A Config field that is also a flag: its help text, its section of `serve --help`, how a flag's text becomes
+    its value, and whether the flag may be given several times (then the value is a tuple, and a config file gives a
+    list)."""
+    metadata = {"help": help, "group": group, "parse": parse, "repeatable": repeatable}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -101,16 +139,24 @@ class Config:
     """Everything `kvsidecar serve` can be told: each field is one flag (`--name-with-dashes`) and one config key."""
 
     socket: str = setting(
-        default_factory=default_socket_path, help="Unix socket the gRPC service listens on (default: %(default)s)"
+        default_factory=default_socket_path,
+        help="Unix socket the gRPC service listens on (default: %(default)s)",
+        group=SOCKETS,
     )
-    socket_mode: int = setting(0o660, help="permissions of the socket file, octal (default 0660)", parse=_octal)
-    socket_group: str = setting("", help="group that owns the socket file (default: the daemon's)")
-    listen: str = setting("", help="also listen on TCP host:port, with TLS and client authentication (default: off)")
-    tls_cert: str = setting("", help="PEM certificate chain of the TCP listener")
-    tls_key: str = setting("", help="PEM private key of the TCP listener")
-    tls_client_ca: str = setting("", help="PEM CA bundle: TCP clients must present a certificate it signed")
+    socket_mode: int = setting(
+        0o660, help="permissions of the socket file, octal (default 0660)", parse=_octal, group=SOCKETS
+    )
+    socket_group: str = setting("", help="group that owns the socket file (default: the daemon's)", group=SOCKETS)
+    listen: str = setting(
+        "", help="also listen on TCP host:port, with TLS and client authentication (default: off)", group=SOCKETS
+    )
+    tls_cert: str = setting("", help="PEM certificate chain of the TCP listener", group=SOCKETS)
+    tls_key: str = setting("", help="PEM private key of the TCP listener", group=SOCKETS)
+    tls_client_ca: str = setting(
+        "", help="PEM CA bundle: TCP clients must present a certificate it signed", group=SOCKETS
+    )
     token_file: str = setting(
-        "", help="file holding a bearer token TCP clients must send (authorization: Bearer <token>)"
+        "", help="file holding a bearer token TCP clients must send (authorization: Bearer <token>)", group=SOCKETS
     )
     tenants: str = setting(
         "",
@@ -118,6 +164,7 @@ class Config:
             "TOML file mapping tenants to credentials (uids/gids, token hashes, certificate subjects), the cache "
             "prefixes they may use and their write budgets; SIGHUP reloads it (default: single-tenant)"
         ),
+        group=TENANCY,
     )
     allow_shm_names: bool = setting(
         False,
@@ -127,6 +174,7 @@ class Config:
             "tenant's shm_names decides (default: off)"
         ),
         parse=bool,
+        group=TENANCY,
     )
     trust_local_accounts: bool = setting(
         False,
@@ -137,11 +185,16 @@ class Config:
             "(default: refuse)"
         ),
         parse=bool,
+        group=TENANCY,
     )
     metrics_address: str = setting(
-        DEFAULT_METRICS_ADDRESS, help="host:port of the Prometheus /metrics endpoint (default: %(default)s)"
+        DEFAULT_METRICS_ADDRESS,
+        help="host:port of the Prometheus /metrics endpoint (default: %(default)s)",
+        group=LOGGING,
     )
-    master: str = setting("", help="host:port of an existing mooncake_master (default: start one on loopback)")
+    master: str = setting(
+        "", help="host:port of an existing mooncake_master (default: start one on loopback)", group=STORE
+    )
     peer_network: tuple[str, ...] = setting(
         (),
         help=(
@@ -149,21 +202,27 @@ class Config:
             "repeatable, IPv4 or IPv6; loopback is always allowed; required unless the master is on loopback"
         ),
         repeatable=True,
+        group=STORE,
     )
     master_binary: str = setting(
-        "", help="path of mooncake_master for the embedded master (default: next to python, or PATH)"
+        "", help="path of mooncake_master for the embedded master (default: next to python, or PATH)", group=STORE
     )
     master_lease_ttl_ms: int = setting(
-        10_000, help="embedded master: how long a read protects a key from eviction (default 10000)", parse=int
+        10_000,
+        help="embedded master: how long a read protects a key from eviction (default 10000)",
+        parse=int,
+        group=STORE,
     )
     metadata_server: str = setting(
-        "P2PHANDSHAKE", help="Mooncake metadata service: P2PHANDSHAKE, http://host:port/metadata, etcd://..."
+        "P2PHANDSHAKE",
+        help="Mooncake metadata service: P2PHANDSHAKE, http://host:port/metadata, etcd://...",
+        group=STORE,
     )
     local_hostname: str = setting(
-        "127.0.0.1", help="address this node's Mooncake client advertises (default: %(default)s)"
+        "127.0.0.1", help="address this node's Mooncake client advertises (default: %(default)s)", group=STORE
     )
-    protocol: str = setting("tcp", help="Mooncake transport: tcp or rdma (default: %(default)s)")
-    rdma_devices: str = setting("", help="comma-separated RDMA devices (default: Mooncake picks)")
+    protocol: str = setting("tcp", help="Mooncake transport: tcp or rdma (default: %(default)s)", group=STORE)
+    rdma_devices: str = setting("", help="comma-separated RDMA devices (default: Mooncake picks)", group=STORE)
     segment_size: int = setting(
         DEFAULT_SEGMENT_BYTES,
         help=(
@@ -171,11 +230,15 @@ class Config:
             "start, so the daemon's resident memory includes it"
         ),
         parse=parse_size,
+        group=STORE,
     )
     local_buffer_size: int = setting(
-        DEFAULT_LOCAL_BUFFER_BYTES, help="Mooncake client transfer buffer, e.g. 64MiB (default 64MiB)", parse=parse_size
+        DEFAULT_LOCAL_BUFFER_BYTES,
+        help="Mooncake client transfer buffer, e.g. 64MiB (default 64MiB)",
+        parse=parse_size,
+        group=STORE,
     )
-    replicas: int = setting(1, help="replicas of every stored block (default 1)", parse=int)
+    replicas: int = setting(1, help="replicas of every stored block (default 1)", parse=int, group=STORE)
     gpu: str = setting(
         "auto",
         help=(
@@ -183,6 +246,7 @@ class Config:
             "started and the segment page-locked in the background at start) or off (CUDA memory refused; a CPU node "
             "never starts CUDA) (default auto)"
         ),
+        group=GPU,
     )
     gpu_staging_size: int = setting(
         DEFAULT_GPU_STAGING_BYTES,
@@ -191,6 +255,7 @@ class Config:
             "256MiB); a larger request moves in rounds"
         ),
         parse=parse_size,
+        group=GPU,
     )
     gpu_bounce_size: int = setting(
         DEFAULT_GPU_BOUNCE_BYTES,
@@ -199,17 +264,24 @@ class Config:
             "e.g. 64MiB (default 64MiB)"
         ),
         parse=parse_size,
+        group=GPU,
     )
     session_ttl: float = setting(
         DEFAULT_SESSION_TTL_S,
         help="seconds a session lives without a KeepAlive before its memory is released (default 10)",
         parse=float,
+        group=LIMITS,
     )
     max_message_bytes: int = setting(
-        DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message accepted or sent (default 64MiB)", parse=parse_size
+        DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest gRPC message accepted or sent (default 64MiB)",
+        parse=parse_size,
+        group=LIMITS,
     )
-    workers: int = setting(8, help="threads running saves and loads off the event loop (default 8)", parse=int)
-    log_level: str = setting("info", help="debug, info, warning or error (default info)")
+    workers: int = setting(
+        8, help="threads running saves and loads off the event loop (default 8)", parse=int, group=LIMITS
+    )
+    log_level: str = setting("info", help="debug, info, warning or error (default info)", group=LOGGING)
     ssd_dir: str = setting(
         "",
         help=(
@@ -217,11 +289,13 @@ class Config:
             "written behind to it, served from it once DRAM evicts it, and kept across restarts (default: no disk "
             "tier)"
         ),
+        group=DISK_TIER,
     )
     ssd_size: int = setting(
         DEFAULT_SSD_BYTES,
         help="most bytes the disk tier may use under --ssd-dir, oldest out first (default 8GiB)",
         parse=parse_size,
+        group=DISK_TIER,
     )
     ssd_buffer_size: int = setting(
         DEFAULT_SSD_BUFFER_BYTES,
@@ -230,6 +304,7 @@ class Config:
             "(counted; DRAM still serves them), e.g. 1GiB on a GPU node (default 64MiB)"
         ),
         parse=parse_size,
+        group=DISK_TIER,
     )
     master_client_ttl: float = setting(
         10.0,
@@ -239,6 +314,7 @@ class Config:
             "(default 10)"
         ),
         parse=float,
+        group=DISK_TIER,
     )
 
     kv_events_endpoint: str = setting(
@@ -248,17 +324,19 @@ class Config:
             "PUB endpoint, e.g. tcp://127.0.0.1:5557 or ipc:///run/kvsidecar/events (default: off; see "
             "docs/kv-events.md)"
         ),
+        group=EVENTS,
     )
     kv_events_replay_endpoint: str = setting(
-        "", help="ZeroMQ ROUTER endpoint replaying recent KV-event messages (default: off)"
+        "", help="ZeroMQ ROUTER endpoint replaying recent KV-event messages (default: off)", group=EVENTS
     )
     kv_events_topic: str = setting(
-        "kvsidecar", help="KV-event topic; a tenant's events go to TOPIC.TENANT (default: %(default)s)"
+        "kvsidecar", help="KV-event topic; a tenant's events go to TOPIC.TENANT (default: %(default)s)", group=EVENTS
     )
     kv_events_remote: bool = setting(
         False,
         help="the KV-event endpoints may listen off loopback (events name cached prefixes; default: off)",
         parse=bool,
+        group=EVENTS,
     )
 
     max_registered_bytes: int = setting(
@@ -269,6 +347,7 @@ class Config:
             "account, so size the daemon's memory limit for segment-size plus this where ranks are untrusted"
         ),
         parse=parse_size,
+        group=LIMITS,
     )
     max_registered_bytes_per_account: int = setting(
         DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT,
@@ -277,10 +356,16 @@ class Config:
             "overrides this) or, without a tenants file, a uid (default 512GiB)"
         ),
         parse=parse_size,
+        group=LIMITS,
     )
-    max_sessions: int = setting(DEFAULT_MAX_SESSIONS, help="open sessions, all accounts (default 4096)", parse=int)
+    max_sessions: int = setting(
+        DEFAULT_MAX_SESSIONS, help="open sessions, all accounts (default 4096)", parse=int, group=LIMITS
+    )
     max_sessions_per_account: int = setting(
-        DEFAULT_MAX_SESSIONS_PER_ACCOUNT, help="open sessions of one tenant or uid (default 1024)", parse=int
+        DEFAULT_MAX_SESSIONS_PER_ACCOUNT,
+        help="open sessions of one tenant or uid (default 1024)",
+        parse=int,
+        group=LIMITS,
     )
     # One vLLM scheduler is one account: 2 at once answer a step's burst of arrivals in half the time of 1 (8 x
     # 16k-token lookups: 181 ms, not 388), and another account keeps half the threads (its p99 under issue 22's
@@ -292,6 +377,7 @@ class Config:
             "cannot hold every lookup thread (default 2, of --lookup-workers 4)"
         ),
         parse=int,
+        group=LIMITS,
     )
     max_lookup_hashes: int = setting(
         DEFAULT_MAX_LOOKUP_HASHES,
@@ -300,13 +386,22 @@ class Config:
             "call is refused with this limit named, so one client's huge lookups cannot stall the others'"
         ),
         parse=int,
+        group=LIMITS,
     )
-    lookup_workers: int = setting(4, help="threads running lookups, apart from saves and loads (default 4)", parse=int)
+    lookup_workers: int = setting(
+        4, help="threads running lookups, apart from saves and loads (default 4)", parse=int, group=LIMITS
+    )
     max_memfds: int = setting(
-        DEFAULT_MAX_MEMFDS, help="memfds held for all sessions, parked or mapped (default 4096)", parse=int
+        DEFAULT_MAX_MEMFDS,
+        help="memfds held for all sessions, parked or mapped (default 4096)",
+        parse=int,
+        group=LIMITS,
     )
     max_memfds_per_account: int = setting(
-        DEFAULT_MAX_MEMFDS_PER_ACCOUNT, help="memfds held for one tenant's or uid's sessions (default 1024)", parse=int
+        DEFAULT_MAX_MEMFDS_PER_ACCOUNT,
+        help="memfds held for one tenant's or uid's sessions (default 1024)",
+        parse=int,
+        group=LIMITS,
     )
 
     def __post_init__(self) -> None:
@@ -418,21 +513,38 @@ def _settings() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(Config))
 
 
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """parse for argparse, whose message for a bad value is then ConfigError's (not "invalid parse_size value")."""
+
+    def flag_value(text: str) -> Any:
+        try:
+            return parse_text(parse, text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return flag_value
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add `--config` and one flag per Config field; unset flags stay None so the file and defaults apply."""
-    parser.add_argument("--config", help="TOML file with the same keys as the flags (dashes or underscores)")
+    """Add `--config` and one flag per Config field, in their groups; unset flags stay None so the file and defaults
+    apply."""
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file with the same keys as the flags (dashes or underscores)"
+    )
+    sections = {group: parser.add_argument_group(group.title, group.description) for group in FLAG_GROUPS}
     defaults = Config(socket=default_socket_path())
     for f in _settings():
         meta = f.metadata
+        section = sections[meta["group"]]
         flag = "--" + f.name.replace("_", "-")
         text = meta["help"] % {"default": getattr(defaults, f.name)}
         if meta["parse"] is bool:
-            parser.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=text)
+            section.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=text)
             continue
-        parser.add_argument(
+        section.add_argument(
             flag,
             dest=f.name,
-            type=meta["parse"],
+            type=_flag_type(meta["parse"]),
             default=None,
             action="append" if meta["repeatable"] else "store",
             help=text,
@@ -469,10 +581,10 @@ def load_file(path: Path) -> dict[str, Any]:
         parse = _flag_bool if meta["parse"] is bool else meta["parse"]
         try:
             if meta["repeatable"] and isinstance(value, list):
-                out[name] = tuple(parse(item) if isinstance(item, str) else item for item in value)
+                out[name] = tuple(parse_text(parse, item) if isinstance(item, str) else item for item in value)
             else:
-                out[name] = parse(value) if isinstance(value, str) else value
-        except ValueError as exc:
+                out[name] = parse_text(parse, value) if isinstance(value, str) else value
+        except ConfigError as exc:
             raise ConfigError(f"config file {path}: bad value for {key!r}: {exc}") from None
     return out
 

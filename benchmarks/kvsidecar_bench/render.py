@@ -50,7 +50,7 @@ def render_markdown(doc: dict[str, Any], *, plot: str | None = None) -> str:
         "",
     ]
     lines += [f"- {note}" for note in doc["notes"]] + ([""] if doc["notes"] else [])
-    met = {True: "yes", False: "**no**", None: "-"}
+    cores = m.get("usable_cores") or m["cores"]
     lines += _section(
         "## Headline",
         doc["headline"],
@@ -60,9 +60,10 @@ def render_markdown(doc: dict[str, Any], *, plot: str | None = None) -> str:
             ("measured against", lambda r: r.get("peer", "-")),
             ("value", lambda r: _f(r["value"]) + {"%": "%", "s": " s"}.get(r["unit"], "x")),
             ("target", lambda r: r["target"]),
-            ("met", lambda r: met[r["met"]]),
+            ("met", lambda r: _verdict(r, cores)),
         ],
     )
+    lines += _verdict_legend(doc["headline"], cores)
     lines += _throughput_md(doc, plot) + _step_md(doc) + _lookup_md(doc) + _scaling_md(doc) + _volume_md(doc)
     lines += [
         "## How it was measured",
@@ -71,6 +72,47 @@ def render_markdown(doc: dict[str, Any], *, plot: str | None = None) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _verdict(row: dict[str, Any], cores: int) -> str:
+    """Whether a row met its target, read as what it is: a bound is no target, and a miss this machine cannot
+    help (its own floor is past the target, or the target assumes more cores than it has) is no regression."""
+    if row["met"] is True:
+        return "yes"
+    if row["met"] is None:
+        if not row["target"].startswith("("):
+            return "-"  # not measured
+        return "bound" if row["target"] == "(bound)" else "for comparison"
+    if row.get("floor") is not None:
+        return f"out of reach (floor {_f(row['floor'])}x)"
+    if cores < row.get("needs_cores", 0):
+        return f"not on {cores} cores"
+    return "**no**"
+
+
+def _verdict_legend(rows: Sequence[dict[str, Any]], cores: int) -> list[str]:
+    """What the softer verdicts of this table mean, for those it has."""
+    legend = []
+    verdicts = [_verdict(r, cores) for r in rows]
+    needs = max((r.get("needs_cores", 0) for r in rows if _verdict(r, cores).startswith("not on")), default=0)
+    if "bound" in verdicts:
+        legend.append(
+            "*bound*: a limit the path is measured against (memcpy, the raw checks it must make, the same calls "
+            "in-process), not a target."
+        )
+    if any(v.startswith("out of reach") for v in verdicts):
+        legend.append(
+            "*out of reach*: a bound measured in this run (the raw checks of the keys the lookup must probe, made "
+            "in-process) is already past the target, so no daemon reaches it on this master."
+        )
+    if any(v.startswith("not on") for v in verdicts):
+        legend.append(
+            f"*not on {cores} cores*: unmet, where the target compares the daemon with calls in the rank's own "
+            f"process and assumes at least {needs} usable cores: an 8-block save through the daemon keeps "
+            "five threads of two processes busy, in-process Mooncake two, so here the daemon's threads wait for the "
+            "rank's (docs/benchmarks/perf-changes.md)."
+        )
+    return [*(f"- {line}" for line in legend), *([""] if legend else [])]
 
 
 def _gpu_line(machine: dict[str, Any]) -> list[str]:

@@ -231,3 +231,33 @@ def test_only_mooncake_direct_calls_mooncake():
     package = Path(kvsidecar_bench.__file__).parent
     callers = {p.name for p in package.glob("*.py") if re.search(r"^\s*(from|import) mooncake\b", p.read_text(), re.M)}
     assert callers == {"mooncake_direct.py"}
+
+
+def test_the_headline_reads_a_bound_a_floor_and_a_machine_too_small_as_what_they_are():
+    doc = _doc()
+    doc["lookup"][0].update(case="10% hit", of_every=0.27, every=_latency(1.0), raw=_latency(0.22))
+    doc["step"] = [
+        {"shape": "mla", "requests": 32, "blocks": 80, "bytes": 1, "verified": True, "op": "save",
+         "batched_over_separate": 1.2, "batched": _latency(12), "separate": _latency(10)}
+    ]  # fmt: skip
+    doc["headline"] = headline(doc)
+    rows = {r["metric"]: r for r in doc["headline"]}
+    load = "MLA load (64 blocks): daemon / in-process"
+    assert rows[load]["met"] is False and rows[load]["needs_cores"] == 5  # the JSON keeps the verdict
+    floor = rows["lookup, 10% hit, 32k tokens: daemon / probing every key"]
+    assert (floor["met"], floor["floor"]) == (False, 0.22)
+
+    def met(text: str, metric: str) -> str:
+        return next(line for line in text.splitlines() if f"| {metric} |" in line).rsplit("|", 2)[1].strip()
+
+    two_cores = render_markdown(doc)
+    assert met(two_cores, load) == "not on 2 cores"
+    assert met(two_cores, "lookup, 10% hit, 32k tokens: daemon / probing every key") == "out of reach (floor 0.22x)"
+    assert met(two_cores, "MLA save (64 blocks): daemon / memcpy") == "bound"
+    assert met(two_cores, "write volume MLA, T=8: per-rank writer") == "for comparison"
+    # Batched against separate calls is the daemon against itself: the cores do not excuse it.
+    assert met(two_cores, "MLA step of 32 saves (80 blocks): one SaveBatch / 32 Save calls") == "**no**"
+    assert "- *not on 2 cores*: unmet, where the target compares the daemon with calls in the rank's own" in two_cores
+    assert "- *out of reach*:" in two_cores and "- *bound*:" in two_cores
+    doc["machine"]["usable_cores"] = 8
+    assert met(render_markdown(doc), load) == "**no**"

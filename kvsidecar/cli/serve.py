@@ -41,6 +41,7 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
         help="run the daemon",
+        usage="%(prog)s [--config FILE] [OPTION ...]",
         description="Run the node daemon. With no flags it starts an embedded Mooncake master on loopback, "
         "contributes a 1 GiB segment over TCP with P2PHANDSHAKE metadata, listens on a Unix socket and serves "
         "Prometheus metrics on loopback. Flags override the --config file, which overrides the defaults.",

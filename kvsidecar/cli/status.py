@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ from kvsidecar.rpc.servers import SERVICE_NAME
 from kvsidecar_client import SidecarError, TcpAuth
 from kvsidecar_client._channel import make_channel
 from kvsidecar_client._side import side_socket_for
+from kvsidecar_contract.paths import default_socket_path
 from kvsidecar_contract.proto import sidecar_pb2, sidecar_pb2_grpc
 
 EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2
@@ -88,15 +90,47 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def nobody_at(path: str, timeout: float) -> str:
+    """Why no daemon can answer on the Unix socket at path ("" when something accepts connections there)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(path)
+        except FileNotFoundError:
+            return "no socket there"
+        except ConnectionRefusedError:
+            return "a socket file nobody listens on, left by a daemon that is gone"
+        except PermissionError:
+            return "permission denied: the socket's mode and group (--socket-mode, --socket-group) decide who connects"
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+    return ""
+
+
+def unreachable(target: str, why: str) -> str:
+    """One line: no daemon at target, why, and how to start one there."""
+    if not target.startswith("unix://"):
+        return f"kvsidecar status: no daemon answers at {target} ({why})"
+    path = target.removeprefix("unix://")
+    start = "kvsidecar serve" + ("" if path == default_socket_path() else f" --socket {path}")
+    return f"kvsidecar status: no daemon at {path} ({why}); start one with: {start}"
+
+
 def run(
     target: str, *, timeout: float, as_json: bool, quiet: bool, live_only: bool, auth: TcpAuth | None = None
 ) -> int:
     """Print the status; the exit code says whether the daemon (and, unless live_only, its store) is healthy."""
+    # A socket nobody listens on answers at once; gRPC would retry it for seconds and then say so at length.
+    why = nobody_at(target.removeprefix("unix://"), timeout) if target.startswith("unix://") else ""
+    if why:
+        if not quiet:
+            print(unreachable(target, why))
+        return EXIT_UNREACHABLE
     try:
         info = query(target, timeout, auth)
     except grpc.RpcError as exc:
         if not quiet:
-            print(f"kvsidecar status: no daemon answers at {target}: {exc.code().name}: {exc.details()}")
+            print(unreachable(target, f"gRPC {exc.code().name}: {(exc.details() or '').splitlines()[0][:160]}"))
         return EXIT_UNREACHABLE
     if not quiet:
         print(json.dumps(info, indent=2) if as_json else render(info))

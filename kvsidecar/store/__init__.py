@@ -1,5 +1,5 @@
 """The store: the only code that touches Mooncake, behind one whole interface (base.Store), with the in-memory
-double for unit tests and the one place that knows Mooncake's numbers (codes).
+double for unit tests, the one place that knows Mooncake's numbers (codes) and what its setup prints (setup_output).
 
 Imports: errors; mooncake.
 """

@@ -40,6 +40,7 @@ from kvsidecar.errors import StoreError, StoreUnavailable
 from kvsidecar.store.base import Presence, Replica, StoreHealth, check_batch_shapes
 from kvsidecar.store.codes import SUCCESS, Health, StoreCode, from_mooncake, presence_from_mooncake
 from kvsidecar.store.prefault import SegmentPrefault, locate_segment
+from kvsidecar.store.setup_output import quiet_setup
 
 __all__ = [
     "DEFAULT_GLOBAL_SEGMENT_SIZE",
@@ -139,14 +140,18 @@ class MooncakeStore:
 
         native = MooncakeDistributedStore()
         try:
-            rc = native.setup(
-                settings.local_hostname,
-                settings.metadata_server,
-                settings.global_segment_size,
-                settings.local_buffer_size,
-                settings.protocol,
-                settings.rdma_devices,
-                settings.master_server_addr,
+            # What every setup prints (glog's notice, the new segment's missing descriptor) goes to the log; the rest
+            # of Mooncake's output, errors included, to stderr as before.
+            rc = quiet_setup(
+                lambda: native.setup(
+                    settings.local_hostname,
+                    settings.metadata_server,
+                    settings.global_segment_size,
+                    settings.local_buffer_size,
+                    settings.protocol,
+                    settings.rdma_devices,
+                    settings.master_server_addr,
+                )
             )
         except (RuntimeError, TypeError) as exc:
             raise StoreUnavailable(f"Mooncake setup raised: {exc}") from exc

@@ -12,6 +12,7 @@ import os
 import pwd
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from support.localusers import shared_dir, throwaway_users
+from support.localusers import for_other_accounts, shared_dir, throwaway_users, why_other_accounts_cannot_run
 from support.processes import DaemonProcess
 
 pytestmark = [
@@ -42,6 +43,9 @@ def good_steps() -> tuple[tuple[object, ...], ...]:
 def users():
     """Two throwaway system users, removed at the end."""
     with throwaway_users(2, "kvsl") as made:
+        why = why_other_accounts_cannot_run(made[0])
+        if why:
+            pytest.skip(why)
         yield made
 
 
@@ -71,14 +75,15 @@ def body(d: DaemonProcess, user: pwd.struct_passwd, steps, model: str = "org/mod
 
 
 def engine(d: DaemonProcess, user: pwd.struct_passwd, *steps, model: str = "org/model") -> list[dict]:
-    out = subprocess.run([sys.executable, str(ENGINE), body(d, user, steps, model)], capture_output=True, text=True,
-                         timeout=180)  # fmt: skip
+    out = subprocess.run(for_other_accounts([sys.executable, str(ENGINE), body(d, user, steps, model)]),
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def attacker(d: DaemonProcess, user: pwd.struct_passwd, *steps) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(ENGINE), body(d, user, steps)], stdout=subprocess.PIPE, text=True)
+    argv = for_other_accounts([sys.executable, str(ENGINE), body(d, user, steps)])
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
 
 def wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 180) -> None:
@@ -130,6 +135,32 @@ def memory_cgroup(limit: int) -> Iterator[Callable[[int], None]]:
                 path.rmdir()
                 break
             time.sleep(0.1)
+
+
+def test_a_private_directory_is_lent_to_a_throwaway_account_in_its_process_alone(users, tmp_path):
+    """What lets these tests run from a private checkout (support/localusers.py): a process started through
+    for_other_accounts still reads what it needs under a directory others may not enter after it drops to a throwaway
+    account; nothing else of that directory shows, and nothing changes outside that process."""
+    a, _ = users
+    tmp_path.chmod(0o700)
+    inner = tmp_path / "lent"
+    inner.mkdir(mode=0o755)
+    (inner / "note").write_text("lent")
+    (inner / "note").chmod(0o644)
+    (tmp_path / "secret").write_text("not lent")
+    read = (
+        "import json, os, sys\n"
+        "os.setgroups([]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[2]))\n"
+        "try:\n    note = open(sys.argv[1]).read()\nexcept PermissionError as exc:\n    note = exc.strerror\n"
+        "print(json.dumps([note, os.path.exists(sys.argv[4])]))\n"
+    )
+    argv = [sys.executable, "-c", read, str(inner / "note"), str(a.pw_uid), str(a.pw_gid), str(tmp_path / "secret")]
+    plain = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    lent = subprocess.run(for_other_accounts(argv, also=[inner]), capture_output=True, text=True, timeout=60)
+    assert json.loads(plain.stdout) == ["Permission denied", False], plain.stderr
+    assert json.loads(lent.stdout) == ["lent", False], lent.stderr
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+    assert "kvsidecar-test" not in Path("/proc/self/mountinfo").read_text()
 
 
 def test_a_sparse_memfd_is_refused_and_the_daemon_in_a_1gib_memory_cgroup_lives(users, sockdir, mooncake_master):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.localusers import shared_dir, throwaway_users
+from support.localusers import for_other_accounts, shared_dir, throwaway_users, why_other_accounts_cannot_run
 from support.processes import DaemonProcess
 
 pytestmark = [
@@ -35,6 +35,9 @@ ENGINE = Path(__file__).resolve().parents[1] / "support" / "tenant_engine.py"
 def users():
     """Two throwaway system users, removed at the end."""
     with throwaway_users(2, "kvst") as made:
+        why = why_other_accounts_cannot_run(made[0])
+        if why:
+            pytest.skip(why)
         yield made
 
 
@@ -61,13 +64,17 @@ def start(sockdir: Path, tenants: Path, master: str = "", extra: tuple[str, ...]
     ).start()
 
 
+def engine_argv(body: dict) -> list[str]:
+    """The engine's command line, able to read this checkout once it has dropped to its user's uid."""
+    return for_other_accounts([sys.executable, str(ENGINE), json.dumps(body)])
+
+
 def engine(daemon: DaemonProcess, user: pwd.struct_passwd | None, *steps, timeout=120, **spec) -> list[dict]:
     """Run one engine process as user (None: as root) through steps; its answers, one per step."""
     body = {"target": daemon.target, "steps": [list(s) for s in steps], **spec}
     if user is not None:
         body.update(uid=user.pw_uid, gid=user.pw_gid)
-    out = subprocess.run([sys.executable, str(ENGINE), json.dumps(body)], capture_output=True, text=True,
-                         timeout=timeout)  # fmt: skip
+    out = subprocess.run(engine_argv(body), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -118,7 +125,7 @@ def test_stats_show_a_tenant_its_own_sessions_and_the_admin_all(users, sockdir, 
         done = sockdir / "stats-done"
         body = {"target": d.target, "uid": a.pw_uid, "gid": a.pw_gid,
                 "steps": [["open", "team-a"], ["wait_for", str(done), "120"]]}  # fmt: skip
-        hold = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(body)], stdout=subprocess.PIPE, text=True)
+        hold = subprocess.Popen(engine_argv(body), stdout=subprocess.PIPE, text=True)
         seen = engine(d, None, ("open", "ops"), ("stats_until", "alpha", "team-a", "90"))[1]["sessions"]
         assert ["alpha", "team-a"] in seen and ["ops", "ops"] in seen  # the admin sees every tenant
         beta = engine(d, b, ("open", "team-b"), ("stats",))[1]
@@ -190,7 +197,7 @@ def test_a_hostile_rank_cannot_crash_the_daemon_through_its_memory(users, sockdi
     d = start(sockdir, tenants_file(sockdir / "tenants.toml", a, b), mooncake_master.address)
     try:
         body = {"target": d.target, "uid": a.pw_uid, "gid": a.pw_gid, "steps": [["open", "team-a"], ["hostile", "8"]]}
-        hostile = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(body)], stdout=subprocess.PIPE, text=True)
+        hostile = subprocess.Popen(engine_argv(body), stdout=subprocess.PIPE, text=True)
         rounds = [("save", f"good-{i}", 8) for i in range(40)] + [("load", f"good-{i}", 8) for i in range(40)]
         good = engine(d, b, ("open", "team-b"), *rounds)
         out, _ = hostile.communicate(timeout=120)
@@ -219,7 +226,7 @@ def test_an_engine_started_before_the_daemon_opens_as_its_uid(users, sockdir, mo
                       extra=("--tenants", str(tenants), "--socket-mode", "0666"))  # fmt: skip
     body = {"target": d.target, "uid": a.pw_uid, "gid": a.pw_gid,
             "steps": [["open", "team-a"], ["save", "early", 2], ["load", "early", 2]]}  # fmt: skip
-    early = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(body)], stdout=subprocess.PIPE, text=True)
+    early = subprocess.Popen(engine_argv(body), stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(1)  # the engine is waiting for a daemon that is not there yet (no socket, no side socket)
         d.start()

@@ -53,6 +53,7 @@ def test_sizes(text, value):
     [
         ("nonsense = 1\n", "unknown key 'nonsense'"),
         ("segment-size = 'lots'\n", "not a size"),
+        ("workers = 'many'\n", "bad value for 'workers': not a whole number: 'many'"),
         ("x = [\n", "not valid TOML"),
     ],
 )

@@ -1,0 +1,97 @@
+"""What the `kvsidecar` command says when it is used wrongly or finds no daemon, run as the real console script."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from kvsidecar.config import Config
+
+KVSIDECAR = str(Path(sys.executable).with_name("kvsidecar"))
+
+
+def kvsidecar(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVSIDECAR, *args], capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def test_an_unknown_serve_flag_is_serves_error_in_one_line():
+    out = kvsidecar("serve", "--bogus-flag")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "kvsidecar serve: error: unrecognized arguments: --bogus-flag; see kvsidecar serve --help\n"
+
+
+def test_a_bad_value_says_what_the_value_looks_like_in_one_line():
+    cases = {
+        ("--segment-size", "lots"): "argument --segment-size: not a size: 'lots' (a number of bytes, with an optional "
+        "unit: 4096, 512MiB, 64M, 1GiB)",
+        ("--workers", "many"): "argument --workers: not a whole number: 'many'",
+        ("--session-ttl", "soon"): "argument --session-ttl: not a number: 'soon'",
+        ("--socket-mode", "rw"): "argument --socket-mode: not an octal permission: 'rw' (e.g. 0660)",
+    }
+    for argv, reason in cases.items():
+        out = kvsidecar("serve", *argv)
+        assert out.returncode == 2 and out.stdout == "", out
+        assert out.stderr == f"kvsidecar serve: error: {reason}; see kvsidecar serve --help\n"
+
+
+def test_serve_help_groups_its_options():
+    out = kvsidecar("serve", "--help")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "usage: kvsidecar serve [--config FILE] [OPTION ...]"
+    headings = [line[:-1] for line in lines if line.endswith(":") and not line.startswith(" ")]
+    expected = ["options", "sockets", "store", "disk tier", "tenancy", "limits", "events", "logging and metrics"]
+    assert headings == expected
+    section = ""
+    where = {}
+    for line in lines:
+        if line[:-1] in headings:
+            section = line[:-1]
+        elif line.startswith("  --"):
+            where[line.split()[0]] = section
+    assert where["--socket"] == "sockets" and where["--segment-size"] == "store"
+    assert where["--ssd-dir"] == "disk tier" and where["--tenants"] == "tenancy"
+    assert where["--max-memfds"] == "limits" and where["--kv-events-endpoint"] == "events"
+    assert where["--log-level"] == "logging and metrics" and where["--config"] == "options"
+    assert len(where) == len(dataclasses.fields(Config)) + 1  # every setting, and --config
+
+
+def test_a_reader_that_leaves_early_ends_the_output_quietly():
+    """`kvsidecar layout ... | head`: no BrokenPipeError traceback; the status a shell gives a tool its reader left."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        out = subprocess.run([KVSIDECAR, "layout", "--tp", "4", "--groups", "mla,mamba"], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (141, "")
+
+
+def test_status_without_a_daemon_says_so_in_one_line_and_how_to_start_one(tmp_path):
+    missing = tmp_path / "none.sock"
+    out = kvsidecar("status", "--socket", str(missing))
+    assert (out.returncode, out.stderr) == (2, "")
+    assert out.stdout == (
+        f"kvsidecar status: no daemon at {missing} (no socket there); start one with: kvsidecar serve --socket "
+        f"{missing}\n"
+    )
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:
+        left.bind(str(stale))  # bound, never listening: what a killed daemon leaves
+    out = kvsidecar("status", "--socket", str(stale))
+    assert (out.returncode, out.stderr) == (2, "")
+    assert out.stdout == (
+        f"kvsidecar status: no daemon at {stale} (a socket file nobody listens on, left by a daemon that is gone); "
+        f"start one with: kvsidecar serve --socket {stale}\n"
+    )
+    # On the default socket, the way to start one is the plain command.
+    out = kvsidecar("status", env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
+    default = tmp_path / "kvsidecar" / "kvsidecar.sock"
+    assert (
+        out.stdout == f"kvsidecar status: no daemon at {default} (no socket there); start one with: kvsidecar serve\n"
+    )
