@@ -44,7 +44,7 @@ def test_serve_help_groups_its_options():
     lines = out.stdout.splitlines()
     assert lines[0] == "usage: kvsidecar serve [--config FILE] [OPTION ...]"
     headings = [line[:-1] for line in lines if line.endswith(":") and not line.startswith(" ")]
-    expected = ["options", "sockets", "store", "disk tier", "tenancy", "limits", "events", "logging and metrics"]
+    expected = ["options", "sockets", "store", "gpu", "disk tier", "tenancy", "limits", "events", "logging and metrics"]
     assert headings == expected
     section = ""
     where = {}
@@ -54,7 +54,7 @@ def test_serve_help_groups_its_options():
         elif line.startswith("  --"):
             where[line.split()[0]] = section
     assert where["--socket"] == "sockets" and where["--segment-size"] == "store"
-    assert where["--ssd-dir"] == "disk tier" and where["--tenants"] == "tenancy"
+    assert where["--ssd-dir"] == "disk tier" and where["--tenants"] == "tenancy" and where["--gpu"] == "gpu"
     assert where["--max-memfds"] == "limits" and where["--kv-events-endpoint"] == "events"
     assert where["--log-level"] == "logging and metrics" and where["--config"] == "options"
     assert len(where) == len(dataclasses.fields(Config)) + 1  # every setting, and --config
