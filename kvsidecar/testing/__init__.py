@@ -6,6 +6,7 @@
 - `ranks`: the one driver of an engine rank in its own process, over a pipe
 - `oracle`: what an engine rank's blocks hold and what a load must bring back, from the engine's side
 - `hashes`: block hashes chained as an engine chains them
+- `states`: a recurrent layer's whole-model state and each TP rank's page of it, as vLLM slices it (rule 12)
 
 The embedded master is the daemon's own (`kvsidecar.daemon.master.EmbeddedMaster`). Nothing here needs vLLM;
 `processes`, `mooncake_env` and `waiting` need only the standard library, so a venv without the daemon can drive one.

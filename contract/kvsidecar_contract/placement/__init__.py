@@ -27,6 +27,17 @@ from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lo
 from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.placement.spans import Spans, fine_grained, load_spans, save_spans
 from kvsidecar_contract.placement.staged import StagedLookup
+from kvsidecar_contract.placement.state import (
+    Piece,
+    RecurrentState,
+    StateAxis,
+    StateCut,
+    StateSegment,
+    StateTensor,
+    gated_delta_net_state,
+    kda_state,
+    mamba2_state,
+)
 
 __all__ = [
     "KEY_TAIL_PATTERN",
@@ -44,19 +55,28 @@ __all__ = [
     "LookupPlan",
     "PackedHashes",
     "Parallel",
+    "Piece",
     "PlacementError",
+    "RecurrentState",
     "SavePlan",
     "Spans",
     "StagedLookup",
+    "StateAxis",
+    "StateCut",
+    "StateSegment",
+    "StateTensor",
     "block_key",
     "check_hit",
     "compute_hit",
     "fine_grained",
+    "gated_delta_net_state",
+    "kda_state",
     "key_prefix",
     "kind_of",
     "load_plan",
     "load_spans",
     "lookup_plan",
+    "mamba2_state",
     "model_key",
     "namespace_prefix",
     "parse_group",

@@ -20,15 +20,15 @@ class Chunk(NamedTuple):
     boundary: int  # token boundary the value is stored under; its key uses hash boundary // U - 1
     block_id: int
     key: str
-    part: int = 0  # which of the block's `parts` equal head-major parts the value is (rule 11); 0 of 1: all of it
-    parts: int = 1
+    part: int = 0  # which of the block's `parts` values it is (head-major parts, rule 11; state pieces, rule 12)
+    parts: int = 1  # 1: the value is the whole block
 
 
 class SavePlan(NamedTuple):
     """What one rank writes for one save request."""
 
     chunks: tuple[Chunk, ...]
-    others: int  # chunks of this save that another rank of the replication set writes
+    others: int  # values of this save that another rank of the replication set writes
     absent: int = 0  # chunks this rank would write but holds no block for (NO_BLOCK)
 
 
@@ -53,14 +53,16 @@ def save_plan(
     for group in geo.groups:
         ids = block_ids[group.index]
         for index, boundary in save_spans(group.spec, group.span, u, group.fine, num_tokens, saved_tokens):
-            if not group.writes(index):
-                others += 1
+            mine = group.writing(index)
+            others += len(group.own) - len(mine)
+            if not mine:
                 continue
             _check_index(group, ids, index)
             if ids[index] == NO_BLOCK:
                 absent += 1
                 continue
-            chunks += _values(group, index, boundary, ids[index], block_hashes[boundary // u - 1])
+            values = _values(group, index, boundary, ids[index], block_hashes[boundary // u - 1])
+            chunks += values if len(mine) == len(values) else [values[p] for p in mine]
     return SavePlan(tuple(chunks), others, absent)
 
 
@@ -95,7 +97,7 @@ def load_plan(
 
 
 def _values(group: GroupGeometry, index: int, boundary: int, block_id: int, block_hash: bytes) -> list[Chunk]:
-    """The values of one block: one, or one per KV head the rank holds where the group is shared (rule 11)."""
+    """The values of one block: one, or one per group of KV heads (rule 11) or state piece (rule 12) it holds."""
     own = group.own
     return [
         Chunk(group.index, index, boundary, block_id, block_key(prefix, block_hash), part, len(own))

@@ -1,7 +1,8 @@
-"""Rules 1, 2, 4, 6, 7 and 9's alignment: per-group facts derived once from a layout."""
+"""Rules 1, 2, 4, 6, 7, 9's alignment, 11 and 12: per-group facts derived once from a layout."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvsidecar_contract.placement.errors import InvalidLayout
@@ -78,11 +79,15 @@ class GroupGeometry:
     lookup_prefixes: tuple[str, ...]  # every namespace a boundary must exist in (rule 7)
     member: int = 0  # this rank's index in its replication set (rule 4)
     fine: bool = False  # hits may end inside this group's blocks
-    # Rule 11: the namespaces of this rank's values of one block, in the order its bytes are cut: one per group of
-    # KV heads it holds for a group shared across TP sizes (each region's block is that many head-major parts),
-    # else (prefix,).
+    # Rules 11, 12: the namespaces of this rank's values of one block, in the order its bytes are cut: one per group
+    # of KV heads it holds for a group shared across TP sizes (each region's block is that many head-major parts),
+    # one per state piece it holds for a shared recurrent group, else (prefix,).
     parts: tuple[str, ...] = ()
-    shared: bool = False  # values any TP size reads (rule 11)
+    shared: bool = False  # values any TP size reads (rules 11, 12)
+    # Rule 12: (ranks holding it, this rank's index among them) per part, where parts are striped apart: a state
+    # piece an axis repeats over several ranks (vLLM's one B/C group at T > 1) is written by one of them. Empty:
+    # every part is striped as the group is (factor, member).
+    replicas: tuple[tuple[int, int], ...] = ()
 
     @property
     def own(self) -> tuple[str, ...]:
@@ -97,6 +102,19 @@ class GroupGeometry:
     def writes(self, chunk: int) -> bool:
         """Rule 4 for this rank: whether it writes the group's chunk `chunk`."""
         return writes_chunk(self.member, self.index, chunk, self.factor)
+
+    def writes_part(self, part: int, chunk: int) -> bool:
+        """Rule 4 per value: whether this rank writes its part `part` of the group's chunk `chunk`."""
+        if not self.replicas:
+            return self.writes(chunk)
+        holders, member = self.replicas[part]
+        return writes_chunk(member, self.index, chunk, holders)
+
+    def writing(self, chunk: int) -> Sequence[int]:
+        """The parts of chunk `chunk` this rank writes (rule 4): all of them or none, or per part (rule 12)."""
+        if not self.replicas:
+            return range(len(self.own)) if self.writes(chunk) else ()
+        return [p for p in range(len(self.replicas)) if self.writes_part(p, chunk)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +135,7 @@ class Geometry:
         # A group shared across TP sizes has one namespace per KV head (its lookup needs every head) when its bytes
         # are whole heads; every other group one per replication set.
         namespaces = sum(
-            par.pcp_size * (layout.head_groups if layout.shared(g) and spec.head_split else len(classes)) * par.pp_size
+            par.pcp_size * _namespaces(layout, g, spec, len(classes)) * par.pp_size
             for g, (spec, classes) in enumerate(zip(layout.groups, partitions, strict=True))
         )
         if namespaces > MAX_NAMESPACES:
@@ -137,7 +155,17 @@ class Geometry:
                 return namespace_prefix(model_key, layout.cache_prefix, s, c, d, p, g)
 
             parts: tuple[str, ...] = ()
-            if layout.shared(g) and spec.head_split:
+            replicas: tuple[tuple[int, int], ...] = ()
+            if layout.shared(g) and spec.state is not None:
+                # Rule 12: shard field = which piece of the state; every piece is a namespace of the quorum.
+                pieces = spec.state.pieces(layout.share_tp_size)
+                lookup = tuple(prefix(v, 0, 0, p) for v in range(len(pieces)) for p in range(par.pp_size))
+                own_pieces = layout.values_of_rank(g, par.tp_rank)
+                parts = tuple(prefix(v, 0, 0, par.pp_rank) for v in own_pieces)
+                holders = [spec.state.holders(pieces[v], par.tp_size) for v in own_pieces]
+                replicas = tuple((len(h), par.tp_rank - h.start) for h in holders)
+                own = parts[0]
+            elif layout.shared(g) and spec.head_split:
                 # Rule 11: shard field = which of the G head groups; no DCP or PCP here (Layout refuses them).
                 lookup = tuple(prefix(v, 0, 0, p) for v in range(layout.head_groups) for p in range(par.pp_size))
                 parts = tuple(prefix(v, 0, 0, par.pp_rank) for v in layout.values_of_rank(g, par.tp_rank))
@@ -155,7 +183,18 @@ class Geometry:
             s, mid = spans.spans[g], spans.mid[g]
             groups.append(
                 GroupGeometry(
-                    g, spec, len(mine), s, shard, own, lookup, mine.index(par.tp_rank), mid, parts, layout.shared(g)
+                    g,
+                    spec,
+                    len(mine),
+                    s,
+                    shard,
+                    own,
+                    lookup,
+                    mine.index(par.tp_rank),
+                    mid,
+                    parts,
+                    layout.shared(g),
+                    replicas,
                 )
             )
         return cls(layout, tuple(groups), spans.fine_grained, spans.unit)
@@ -167,3 +206,12 @@ class Geometry:
         # otherwise every hit length is a block end of the group.
         step = 1 if group.fine else group.span // u
         return range(step - 1, num_hashes, step)
+
+
+def _namespaces(layout: Layout, group: int, spec: GroupSpec, classes: int) -> int:
+    """Namespaces of one boundary of a group on one PCP rank and stage: one per value where shared, else per class."""
+    if layout.shared(group) and spec.state is not None:
+        return len(spec.state.pieces(layout.share_tp_size))
+    if layout.shared(group) and spec.head_split:
+        return layout.head_groups
+    return classes

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvsidecar_contract.placement.errors import InvalidLayout
 from kvsidecar_contract.placement.keys import model_key, value_id
+from kvsidecar_contract.placement.state import RecurrentState, StateCut
 
 # Limits far past any real engine that keep every derived value (spans, alignment, namespaces) small: an absurd
 # layout is refused at once instead of costing the daemon seconds and gigabytes.
@@ -45,12 +47,18 @@ class Kind(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    """One KV-cache group: its kind, tokens per physical block, window, and members if uniform."""
+    """One KV-cache group: its kind, tokens per physical block, window, members if uniform, and its state's layout.
+
+    state describes one layer's recurrent state (every layer of the group alike) for a group whose members are all
+    recurrent: what rule 12 needs to store it in pieces any TP size reads. Without it a recurrent group is kept
+    per layout (rule 11).
+    """
 
     kind: Kind
     block_size: int
     window: int = 0
     inner: tuple[Kind, ...] = ()
+    state: RecurrentState | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= MAX_BLOCK_TOKENS:
@@ -69,6 +77,11 @@ class GroupSpec:
             raise InvalidLayout(f"{self.describe()}: a sliding-window group needs window >= 1")
         if not has_sliding and self.window:
             raise InvalidLayout(f"{self.describe()}: window is only for sliding-window kinds")
+        if self.state is not None and not all(k.recurrent for k in self.members):
+            raise InvalidLayout(
+                f"{self.describe()}: a state layout describes recurrent state; only a group whose members are all "
+                "recurrent has one"
+            )
 
     @property
     def members(self) -> tuple[Kind, ...]:
@@ -97,12 +110,13 @@ class GroupSpec:
 
     @property
     def shareable(self) -> bool:
-        """Values any TP size can read (rule 11): whole KV heads, or an MLA latent every rank holds alike.
+        """Values any TP size can read (rules 11, 12): whole KV heads, an MLA latent every rank holds alike, or
+        recurrent state whose layout says which bytes belong to which head and group.
 
-        Recurrent state (sliced by head and by dim, in layouts the engine chooses) and a uniform group mixing MLA
-        with ordinary attention (one value holds both, sliced differently) stay per layout.
+        Recurrent state without its layout (sliced by head and by dim in ways the daemon cannot see) and a uniform
+        group mixing MLA with ordinary attention (one value holds both, sliced differently) stay per layout.
         """
-        return self.head_split or all(k.latent for k in self.members)
+        return self.head_split or all(k.latent for k in self.members) or self.state is not None
 
     @property
     def attention_window(self) -> int | None:
@@ -113,11 +127,20 @@ class GroupSpec:
         return self.window
 
     def describe(self) -> str:
-        """The group in the `--groups` syntax, e.g. `uniform(mla+full_attention)` or `sliding_window:4096`."""
+        """The group in the `--groups` syntax, e.g. `uniform(mla+full_attention)` or `sliding_window:4096`; a group
+        with a state layout shows its axes instead of the layer's parameters: `mamba[heads=64,groups=8]`."""
         if self.kind is Kind.UNIFORM:
             body = "+".join(f"{k.value}:{self.window}" if k.sliding else k.value for k in self.inner)
-            return f"uniform({body})"
-        return f"{self.kind.value}:{self.window}" if self.kind.sliding else self.kind.value
+            text = f"uniform({body})"
+        else:
+            text = f"{self.kind.value}:{self.window}" if self.kind.sliding else self.kind.value
+        return f"{text}[{self.state.describe()}]" if self.state is not None else text
+
+    def meaning(self) -> list[object]:
+        """What the value id digests of the group: kind, block size, window, members, and its state's layout."""
+        fields: list[object] = [self.kind.value, self.block_size, self.window, [k.value for k in self.inner]]
+        # Only where there is one, so every value id of a group without a state layout stays what it was.
+        return [*fields, self.state.meaning()] if self.state is not None else fields
 
 
 def dcp_rank_of(tp_rank: int, pcp_rank: int, tp_size: int, pcp_size: int, dcp_size: int) -> int:
@@ -235,6 +258,12 @@ class Layout:
         tp, heads = self.parallel.tp_size, self.num_kv_heads
         if any(g.gqa for g in self.groups) and heads % tp and tp % heads:
             raise InvalidLayout(f"num_kv_heads {heads} and tp_size {tp} must divide one another")
+        for index, group in enumerate(self.groups):
+            if group.state is not None:
+                try:
+                    group.state.check_tp(tp)
+                except InvalidLayout as exc:
+                    raise InvalidLayout(f"group {index} ({group.describe()}): {exc}") from None
         self._check_sharing()
         u, unit = self.hash_block_size, self.hit_alignment_tokens
         if unit and (unit % u or unit > MAX_TOKENS):
@@ -259,6 +288,12 @@ class Layout:
                 "sharing values across TP sizes is not defined under DCP or PCP: a rank's block then holds an "
                 "interleaved slice of the tokens, which another layout slices otherwise (open the session without it)"
             )
+        for index, group in enumerate(self.groups):
+            if group.state is not None:
+                try:
+                    group.state.check_cut(n, par.tp_size)
+                except InvalidLayout as exc:
+                    raise InvalidLayout(f"group {index} ({group.describe()}): {exc}") from None
         if not any(self.shared(g) and spec.head_split for g, spec in enumerate(self.groups)):
             return
         heads, tp, parts = self.num_kv_heads, par.tp_size, self.head_groups
@@ -294,7 +329,7 @@ class Layout:
         """What this engine's values mean: the client's identity and everything here that shapes a shard's bytes."""
         par = self.parallel
         session = {
-            "groups": [[g.kind.value, g.block_size, g.window, [k.value for k in g.inner]] for g in self.groups],
+            "groups": [g.meaning() for g in self.groups],
             "num_kv_heads": self.num_kv_heads,
             "hash_block_size": self.hash_block_size,
             "parallel": [par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
@@ -305,12 +340,16 @@ class Layout:
         """Whether the group's values are stored for every TP size (rule 11)."""
         return bool(self.share_tp_size) and self.groups[group].shareable
 
-    def values_of_rank(self, group: int, tp_rank: int) -> range:
-        """Rule 11: which of a shared head-split group's head_groups values a rank holds, in order.
+    def values_of_rank(self, group: int, tp_rank: int) -> Sequence[int]:
+        """Rules 11, 12: which values of a shared group a rank holds, in order.
 
-        A rank of T <= G holds G/T consecutive values; a rank of T > G (then G = H: one value per head) holds the
-        one head its replica set shares.
+        Head-split (rule 11): of the head_groups values, a rank of T <= G holds G/T consecutive ones; a rank of
+        T > G (then G = H: one value per head) holds the one head its replica set shares. Recurrent state (rule 12):
+        the pieces of every axis it holds whole, axis after axis.
         """
+        state = self.groups[group].state
+        if state is not None:
+            return state.own_pieces(self.share_tp_size, self.parallel.tp_size, tp_rank)
         parts, tp = self.head_groups, self.parallel.tp_size
         if tp <= parts:
             per = parts // tp
@@ -319,10 +358,23 @@ class Layout:
         return range(first, first + 1)
 
     def values_per_block(self, group: int) -> int:
-        """Rule 11: values one block of the group makes on this rank: G/T where shared by KV head, else 1."""
-        if not (self.shared(group) and self.groups[group].head_split):
+        """Rules 11, 12: values one block of the group makes on this rank: G/T where shared by KV head, the rank's
+        pieces where its state is shared, else 1."""
+        spec = self.groups[group]
+        if not (self.shared(group) and (spec.head_split or spec.state is not None)):
             return 1
         return len(self.values_of_rank(group, self.parallel.tp_rank))
+
+    def value_cut(self, group: int) -> tuple[int, int] | StateCut:
+        """How this rank's blocks of a group become its values (what the daemon maps to addresses).
+
+        A shared recurrent group: its StateCut (rule 12). Otherwise (values per block, KV heads of the rank): that
+        many equal head-major parts of every region (rule 11), or with one value per block, the whole block.
+        """
+        state = self.groups[group].state
+        if state is not None and self.shared(group):
+            return state.cut(self.share_tp_size, self.parallel.tp_size, self.parallel.tp_rank)
+        return self.values_per_block(group), self.kv_heads_of_rank()
 
     def kv_heads_of_rank(self) -> int:
         """KV heads one rank holds of ordinary attention: H/T, or one replicated head when T > H."""
@@ -337,6 +389,17 @@ class Layout:
         if not self.shared(group):
             return self.value_id
         par, g = self.parallel, self.groups[group]
+        if g.state is not None:
+            # Rule 12: a piece's bytes depend on the state's layout and on the cut (which indices it holds), not on
+            # T and not on KV heads; `state:` can never equal rule 11's `kv_heads:` or `latent`.
+            cut = sorted({(p.axis, p.length) for p in g.state.pieces(self.share_tp_size)})
+            session = {
+                "group": [group, *g.meaning()],
+                "hash_block_size": self.hash_block_size,
+                "parallel": ["any", par.pp_size, par.pcp_size, par.dcp_size],
+                "value": ["state", cut],
+            }
+            return value_id(self.value_identity, session)
         # Only what decides this group's bytes: another group's block size may follow T (a hybrid's attention
         # blocks sized to its per-rank Mamba state) without changing what one head of this group's block holds.
         session = {
