@@ -49,7 +49,7 @@ def save_outcome(
             skipped_per_group[chunk.group] += chunk.part == 0
         elif result is Saved.WRITTEN:
             written += 1
-            bytes_written += memory.value_bytes[chunk.group]
+            bytes_written += memory.part_bytes[chunk.group][chunk.part]
             saved_per_group[chunk.group] += chunk.part == 0
         else:
             (over_budget if result is Reason.TENANT_BUDGET else failures).append(
@@ -91,7 +91,7 @@ def load_outcome(
             loaded_per_group[chunk.group] += 1
         if code is StoreCode.OK:
             loaded += 1
-            nbytes += memory.value_bytes[chunk.group]
+            nbytes += memory.part_bytes[chunk.group][chunk.part]
         elif (chunk.group, chunk.span_index) not in failed:
             failed[chunk.group, chunk.span_index] = code
             failures.append(Failure(chunk.group, chunk.block_id, Reason.of(code)))

@@ -162,7 +162,7 @@ class DataPath:
         # so its floods cannot evict every other tenant's working set.
         budget = self._budget_of(session.tenant) if session.tenant else None
         if budget is not None and todo:
-            fit = budget.admit([memory.value_bytes[chunks[j].group] for j in todo])
+            fit = budget.admit([memory.part_bytes[chunks[j].group][chunks[j].part] for j in todo])
             for j in todo[fit:]:
                 results[j] = Reason.TENANT_BUDGET
             todo = todo[:fit]

@@ -201,7 +201,7 @@ class GpuRuntime:
         if memory.device is None:
             return
         area = self.area(memory.device)
-        largest = max(memory.value_bytes)
+        largest = max(max(sizes) for sizes in memory.part_bytes)
         if largest > min(area.staging_bytes, area.bounce_bytes):
             raise BadRequest(
                 f"a stored value of this layout is {largest} bytes, larger than the daemon's GPU staging "

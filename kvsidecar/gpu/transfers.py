@@ -62,7 +62,7 @@ def _buckets(chunks: Sequence[Chunk], members: Sequence[int]) -> list[tuple[tupl
 def _typed(area: StagingArea, offset: int, n: int, memory: SessionMemory, group: int, part: int) -> Any:
     """n values of (group, part) at offset in staging, as the plan's [n, elements] view."""
     views = memory.views(group, part)
-    size = memory.value_bytes[group]
+    size = memory.part_bytes[group][part]
     return area.staging[offset : offset + n * size].view(views.dtype).view(n, size // views.element)
 
 
@@ -76,7 +76,7 @@ def put(
 ) -> list[StoreCode]:
     """Write each chunk's value under its key from the engine's device memory; one code per chunk."""
     codes: list[StoreCode] = []
-    sizes = [memory.value_bytes[c.group] for c in chunks]
+    sizes = [memory.part_bytes[c.group][c.part] for c in chunks]
     for batch in rounds(sizes, area.staging_bytes):
         places: dict[int, int] = {}
         with area.held():
@@ -114,7 +114,7 @@ def get(
     failed: Failed,
 ) -> list[StoreCode]:
     """Read each chunk's value into its block of the engine's device memory; one code per chunk."""
-    sizes = [memory.value_bytes[c.group] for c in chunks]
+    sizes = [memory.part_bytes[c.group][c.part] for c in chunks]
     codes = [StoreCode.OK] * len(chunks)
     located: list[Replica | None] = [None] * len(chunks)
     if segment is not None:

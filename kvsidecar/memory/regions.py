@@ -6,18 +6,25 @@ against the region it falls in, and a mapping is unmapped only when no store cal
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory.mappings import Mapping
 from kvsidecar.memory.views import SliceTemplate, ValueViews
 from kvsidecar.values import Handle, RegionRequest
 from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.placement import StateCut
 
-__all__ = ["MappingOpener", "Region", "SessionMemory"]
+__all__ = ["Cut", "MappingOpener", "Region", "SessionMemory"]
+
+# How a group's block becomes its stored values: (values, heads), that many equal head-major parts of every region
+# (rule 11; (1, 1): the whole block), or a StateCut: layers of recurrent state cut into the rank's pieces (rule 12).
+Cut = tuple[int, int] | StateCut
 
 
 class MappingOpener(Protocol):
@@ -56,7 +63,7 @@ class SessionMemory:
         regions: Sequence[RegionRequest],
         num_groups: int,
         opener: MappingOpener,
-        cuts: Sequence[tuple[int, int]] = (),
+        cuts: Sequence[Cut] = (),
         *,
         host_views: bool = False,
     ) -> None:
@@ -64,13 +71,16 @@ class SessionMemory:
 
         cuts[g] = (values, heads): values > 1 cuts every block of group g into that many values, each of the same
         number of the rank's `heads` KV heads (docs/placement.md rule 11): every region of the group must then
-        declare that its block is those `heads` head-major parts.
+        declare that its block is those `heads` head-major parts. cuts[g] a StateCut: the group's block, its regions
+        in order, is one layer's recurrent state after another, and each value is one of the rank's state pieces:
+        byte ranges of every layer (rule 12).
 
         Memory on a GPU gets the device path's copy plan (`views`, `device`); host_views builds it for host memory
         too, where the device path stands in for a GPU's (tests of that path on a machine without one).
         """
-        parts = [values for values, _ in cuts] or [1] * num_groups
-        heads = [h for _, h in cuts] or [1] * num_groups
+        cuts = list(cuts) or [(1, 1)] * num_groups
+        parts = [1 if isinstance(c, StateCut) else c[0] for c in cuts]
+        heads = [1 if isinstance(c, StateCut) else c[1] for c in cuts]
         if not regions:
             raise BadRequest("RegisterMemory needs at least one region")
         if len(regions) > MAX_REGIONS:
@@ -105,34 +115,38 @@ class SessionMemory:
             region = Region(self.mappings[key], r.offset, r.stride, r.block_bytes, r.num_blocks, r.groups)
             for g in r.groups:
                 self.groups[g].append(region)
-        self._parts = parts
-        # Bytes of one stored value: a block's bytes in every region of the group, or one head's part of them.
-        self.value_bytes = [
-            sum(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts, strict=True)
+        # Per group and value, computed once: a save or load asks for one address per slice for every value it
+        # moves (61 regions x hundreds of blocks for an MLA model, more slices per state piece), so this is the
+        # data path's innermost loop: an address is a base plus block_id times a stride, nothing else.
+        pieces = [
+            _state_pieces(g, regions, cut) if isinstance(cut, StateCut) else _head_pieces(regions, cut[0])
+            for g, (regions, cut) in enumerate(zip(self.groups, cuts, strict=True))
         ]
+        merged = [[_merged(piece) for piece in group] for group in pieces]
+        self._tables = [
+            [_Table.of(regions, piece) for piece in group] for regions, group in zip(self.groups, merged, strict=True)
+        ]
+        # What a value is at every TP size (its slice sizes, before adjacent slices are merged): the shape the
+        # daemon checks a namespace's values against (sessions/shapes.py).
+        self.value_shapes = [[tuple(size for _, _, size in piece) for piece in group] for group in pieces]
+        # Bytes of each stored value of a block: every region's block, one head group's part of each, or a piece.
+        self.part_bytes = [[sum(shape) for shape in shapes] for shapes in self.value_shapes]
+        self.value_bytes = [sizes[0] for sizes in self.part_bytes]  # a block's first value, for the client
         self.mapped_bytes = sum(m.size for m in self.mappings.values())
         # Host memory (memfds, /dev/shm), the part the daemon could be made to fault in: what the caps count.
         self.host_bytes = sum(m.size for m in self.mappings.values() if m.identity[0] in ("memfd", "shm"))
-        # Per group, computed once: a save or load asks for one address per region for every block it moves
-        # (61 regions x hundreds of blocks for an MLA model), so this is the data path's innermost loop.
         self._blocks_in_group = [min(r.num_blocks for r in regions) for regions in self.groups]
-        self._bases = [[r.mapping.address + r.offset for r in regions] for regions in self.groups]
-        self._strides = [[r.stride for r in regions] for regions in self.groups]
-        self._stride = [_common(strides) for strides in self._strides]
-        self._sizes = [
-            tuple(r.block_bytes // n for r in regions) for regions, n in zip(self.groups, parts, strict=True)
-        ]
         key_of = {id(m): key for key, m in self.mappings.items()}
         # Where each value's slices lie, per group and part: the addresses above, as the device path's copy plan.
         self.templates = [
             [
                 [
-                    SliceTemplate(key_of[id(r.mapping)], r.offset + p * z, r.stride, z)
-                    for r, z in zip(rs, sz, strict=True)
+                    SliceTemplate(key_of[id(rs[i].mapping)], rs[i].offset + offset, rs[i].stride, size)
+                    for i, offset, size in piece
                 ]
-                for p in range(n)
+                for piece in group
             ]
-            for rs, sz, n in zip(self.groups, self._sizes, parts, strict=True)
+            for rs, group in zip(self.groups, merged, strict=True)
         ]
         self.device = _device_of(list(self.mappings.values()), host_views)
         self._views: dict[tuple[int, int], ValueViews] = {}
@@ -149,34 +163,28 @@ class SessionMemory:
                 raise
 
     def buffers(self, group: int, block_id: int, part: int = 0) -> tuple[list[int], list[int]]:
-        """Addresses and sizes of one stored value: a block's slices in every region of its group, in order.
+        """Addresses and sizes of one stored value: its slices of the group's regions, in the value's order.
 
-        part selects one head's part of each slice where the group stores a value per KV head (rule 11).
+        part selects one value where the group stores several per block: a head group's part of each region
+        (rule 11), or a state piece (rule 12).
         """
         if not 0 <= block_id < self._blocks_in_group[group]:
             self._out_of_bounds(group, block_id)
-        if not 0 <= part < self._parts[group]:
-            raise BadRequest(f"group {group}: value part {part} of a block cut in {self._parts[group]}")
-        sizes = self._sizes[group]
-        stride = self._stride[group]
-        if stride is not None and not part:
-            offset = block_id * stride
-            addresses = [base + offset for base in self._bases[group]]
-        elif not part:
-            addresses = [base + block_id * s for base, s in zip(self._bases[group], self._strides[group], strict=True)]
-        else:
-            addresses = [
-                base + block_id * s + part * size
-                for base, s, size in zip(self._bases[group], self._strides[group], sizes, strict=True)
-            ]
-        return addresses, list(sizes)
+        tables = self._tables[group]
+        if not 0 <= part < len(tables):
+            raise BadRequest(f"group {group}: value part {part} of a block cut in {len(tables)}")
+        table = tables[part]
+        if table.stride is not None:
+            offset = block_id * table.stride
+            return [base + offset for base in table.bases], list(table.sizes)
+        return [base + block_id * s for base, s in zip(table.bases, table.strides, strict=True)], list(table.sizes)
 
     def check(self, group: int, block_id: int, part: int = 0) -> None:
         """Raise BadRequest unless block_id (and part) names a block every region of the group holds."""
         if not 0 <= block_id < self._blocks_in_group[group]:
             self._out_of_bounds(group, block_id)
-        if not 0 <= part < self._parts[group]:
-            raise BadRequest(f"group {group}: value part {part} of a block cut in {self._parts[group]}")
+        if not 0 <= part < len(self._tables[group]):
+            raise BadRequest(f"group {group}: value part {part} of a block cut in {len(self._tables[group])}")
 
     def views(self, group: int, part: int = 0) -> ValueViews:
         """The device path's copy plan of (group, part); only for memory with a `device`."""
@@ -239,6 +247,77 @@ def _common(values: Sequence[int]) -> int | None:
     """The one value all of values share, else None."""
     first = values[0] if values else None
     return first if all(v == first for v in values) else None
+
+
+Piece = list[tuple[int, int, int]]  # one value: (region index in its group, offset in the region's block, size)
+
+
+class _Table(NamedTuple):
+    """One value's slices as addresses of block 0 and strides: block b's slice i is bases[i] + b * strides[i]."""
+
+    bases: list[int]
+    strides: list[int]
+    stride: int | None  # the one stride all slices share, if they do
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, regions: Sequence[Region], piece: Piece) -> _Table:
+        """The table of one value."""
+        bases = [regions[i].mapping.address + regions[i].offset + offset for i, offset, _ in piece]
+        strides = [regions[i].stride for i, _, _ in piece]
+        return cls(bases, strides, _common(strides), tuple(size for _, _, size in piece))
+
+
+def _merged(piece: Piece) -> Piece:
+    """A value's slices with adjacent ones of one region joined (its bytes stay in order): fewer for the store."""
+    out: Piece = []
+    for i, offset, size in piece:
+        if out and out[-1][0] == i and out[-1][1] + out[-1][2] == offset:
+            out[-1] = (i, out[-1][1], out[-1][2] + size)
+        else:
+            out.append((i, offset, size))
+    return out
+
+
+def _head_pieces(regions: Sequence[Region], values: int) -> list[Piece]:
+    """Rule 11: value p is the p-th of `values` equal parts of every region's block (one value: the whole block)."""
+    return [
+        [(i, p * (r.block_bytes // values), r.block_bytes // values) for i, r in enumerate(regions)]
+        for p in range(values)
+    ]
+
+
+def _state_pieces(group: int, regions: Sequence[Region], cut: StateCut) -> list[Piece]:
+    """Rule 12: each piece's byte ranges in every layer, where the group's regions hold layer after layer.
+
+    The regions' blocks, in order, must be whole layers of cut.layer_bytes, each region starting where one of the
+    state's tensors starts (a region per layer, or per state tensor): anything else is not this state's layout.
+    """
+    layer = cut.layer_bytes
+    starts = list(itertools.accumulate((r.block_bytes for r in regions), initial=0))
+    total = starts[-1]
+    if total % layer:
+        raise BadRequest(
+            f"group {group} stores its recurrent state in pieces any TP size reads (rule 12): its regions must hold "
+            f"whole layers of {layer} bytes (this rank's state as the session describes it), they hold {total} bytes "
+            "per block (padding, or a state laid out otherwise?)"
+        )
+    tensors = set(cut.tensor_starts)
+    for i, start in enumerate(starts[:-1]):
+        if start % layer not in tensors:
+            raise BadRequest(
+                f"group {group}: region {i} starts at byte {start % layer} of a layer's recurrent state, where no "
+                f"state tensor starts (tensors start at {sorted(tensors)}): a region must hold whole tensors"
+            )
+    out: list[Piece] = []
+    for slices in cut.pieces:
+        piece: Piece = []
+        for base in range(0, total, layer):
+            for offset, size in slices:
+                i = bisect.bisect_right(starts, base + offset) - 1
+                piece.append((i, base + offset - starts[i], size))
+        out.append(piece)
+    return out
 
 
 def _check_heads(i: int, spec: RegionRequest, parts: Sequence[int], heads: Sequence[int]) -> None:

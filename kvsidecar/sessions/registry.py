@@ -214,7 +214,7 @@ class SessionRegistry:
                 regions,
                 len(session.layout.groups),
                 Opener(fds, shm_names=session.shm_names, cuda=self._devices.wait_ready if self._devices else None),
-                [(len(g.own), session.layout.kv_heads_of_rank()) for g in session.geometry.groups],
+                [session.layout.value_cut(g) for g in range(len(session.layout.groups))],
                 host_views=self._host_views,
             )
         except BaseException:
@@ -245,9 +245,9 @@ class SessionRegistry:
             self._shapes.claim(
                 session.id,
                 [
-                    (prefix, tuple(r.block_bytes // len(geo.own) for r in regions))
-                    for geo, regions in zip(session.geometry.groups, memory.groups, strict=True)
-                    for prefix in geo.own
+                    (prefix, shape)
+                    for geo, shapes in zip(session.geometry.groups, memory.value_shapes, strict=True)
+                    for prefix, shape in zip(geo.own, shapes, strict=True)
                 ],
             )
             for m in memory.mappings.values():
