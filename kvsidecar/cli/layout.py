@@ -8,10 +8,20 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from kvsidecar_contract.placement import Geometry, Layout, Parallel, PlacementError, block_key, parse_groups
+from kvsidecar_contract.placement import (
+    Geometry,
+    Layout,
+    Parallel,
+    PlacementError,
+    RecurrentState,
+    block_key,
+    parse_groups,
+)
 from kvsidecar_contract.placement.geometry import GroupGeometry
+from kvsidecar_contract.placement.layout import MAX_TP
 
 EXAMPLE_HASH = bytes(32)
+PER_INDEX = -1  # share_tp_size of the bare --share-across-tp: one value per KV head and per state index
 
 
 def build_layout(
@@ -29,10 +39,18 @@ def build_layout(
     hash_block_size: int = 16,
     share_tp_size: int = 0,
 ) -> Layout:
-    """A layout seen from TP rank 0 (pcp and pp rank 0), from CLI-style arguments."""
+    """A layout seen from TP rank 0 (pcp and pp rank 0), from CLI-style arguments.
+
+    share_tp_size PER_INDEX: one value per KV head and per index of every state axis (rules 11, 12), as the
+    connector's `share_across_tp: true` means.
+    """
+    specs = parse_groups(groups, block_size)
+    if share_tp_size == PER_INDEX:
+        sizes = [a.size for g in specs if g.state is not None for a in g.state.axes]
+        share_tp_size = min(MAX_TP, max([kv_heads, *sizes]))
     return Layout(
         model=model,
-        groups=parse_groups(groups, block_size),
+        groups=specs,
         parallel=Parallel(tp_size=tp, pp_size=pp, pcp_size=pcp, dcp_size=dcp),
         num_kv_heads=kv_heads,
         hash_block_size=hash_block_size,
@@ -46,7 +64,7 @@ def describe(layout: Layout) -> dict[str, Any]:
     """The placement of every group on every TP rank, as plain JSON-ready values."""
     par = layout.parallel
     geo = Geometry.of(layout)
-    groups = []
+    groups: list[dict[str, Any]] = []
     ranks = [Geometry.of(layout.for_rank(r, par.pcp_rank, par.pp_rank)) for r in range(par.tp_size)]
     for group in geo.groups:
         f = group.factor
@@ -69,6 +87,8 @@ def describe(layout: Layout) -> dict[str, Any]:
                 "example_key_of_rank": [_example_key(layout, group, r) for r in range(par.tp_size)],
             }
         )
+        if group.spec.state is not None:
+            groups[-1]["state"] = _state(layout, group.index, group.spec.state, ranks)
     return {
         "model": layout.model,
         "model_key": layout.model_key,
@@ -84,6 +104,35 @@ def describe(layout: Layout) -> dict[str, Any]:
         "share_tp_size": layout.share_tp_size,
         "groups": groups,
     }
+
+
+def _state(layout: Layout, g: int, state: RecurrentState, ranks: list[Geometry]) -> dict[str, Any]:
+    """A recurrent group's state: its axes, and where shared (rule 12) each piece with who holds and writes it."""
+    tp = layout.parallel.tp_size
+    out: dict[str, Any] = {
+        "axes": [{"name": a.name, "size": a.size, "repeat": a.repeat} for a in state.axes],
+        "layer_bytes_of_rank": state.layer_bytes(tp),
+    }
+    if not layout.shared(g):
+        return out
+    pieces = []
+    for v, piece in enumerate(state.pieces(layout.share_tp_size)):
+        holders = list(state.holders(piece, tp))
+        # Which of its values the piece is on each holder decides who writes it (rule 4 per piece).
+        writer = next(
+            r for r in holders if ranks[r].groups[g].writes_part(list(layout.values_of_rank(g, r)).index(v), 0)
+        )
+        pieces.append(
+            {
+                "shard": v,
+                "piece": state.label(piece),
+                "bytes_per_layer": state.piece_bytes(piece),
+                "held_by": holders,
+                "writer_of_chunk0": writer,
+            }
+        )
+    out["pieces"] = pieces
+    return out
 
 
 def readers(layout: Layout, reader_tp: int) -> list[dict[str, Any]]:
@@ -106,11 +155,12 @@ def readers(layout: Layout, reader_tp: int) -> list[dict[str, Any]]:
             if geo.groups[g].writes(0)
             for prefix in geo.groups[g].own
         }
+        labels = _piece_labels(reader, g)
         reads = [
             {
                 "rank": r,
                 "values": [
-                    {"key": key, "written_by": written.get(key)}
+                    {"key": key, "written_by": written.get(key), **labels.get(key.rsplit("@", 2)[1], {})}
                     for key in (block_key(prefix, EXAMPLE_HASH) for prefix in geo.groups[g].own)
                 ],
             }
@@ -118,6 +168,19 @@ def readers(layout: Layout, reader_tp: int) -> list[dict[str, Any]]:
         ]
         out.append({"index": g, "spec": spec.describe(), "shared_across_tp": layout.shared(g), "reads": reads})
     return out
+
+
+def _piece_labels(layout: Layout, g: int) -> dict[str, dict[str, str]]:
+    """Rule 12: the shard field of each piece of a shared state group -> {"piece": its label}."""
+    state = layout.groups[g].state
+    if state is None or not layout.shared(g):
+        return {}
+    prefix = ".c0.d0.p{p}.g{g}"
+    return {
+        f"s{v}" + prefix.format(p=p, g=g): {"piece": state.label(piece)}
+        for v, piece in enumerate(state.pieces(layout.share_tp_size))
+        for p in range(layout.parallel.pp_size)
+    }
 
 
 def render_readers(reader_tp: int, writer_tp: int, groups: list[dict[str, Any]]) -> str:
@@ -130,7 +193,8 @@ def render_readers(reader_tp: int, writer_tp: int, groups: list[dict[str, Any]])
             for value in read["values"]:
                 who = value["written_by"]
                 by = f"written by tp rank {who}" if who is not None else "written by nobody: a miss"
-                lines.append(f"    reader rank {read['rank']}: {value['key']}  <- {by}")
+                piece = f" ({value['piece']})" if "piece" in value else ""
+                lines.append(f"    reader rank {read['rank']}: {value['key']}{piece}  <- {by}")
     return "\n".join(lines)
 
 
@@ -165,6 +229,27 @@ def render_table(info: dict[str, Any]) -> str:
             if key not in seen:
                 seen.add(key)
                 lines.append(f"  group {g['index']} rank {rank}: {key}")
+    shared = [g for g in info["groups"] if "pieces" in g.get("state", {})]
+    if shared:
+        lines += ["", "recurrent state in pieces every TP size reads (rule 12), chunk 0:"]
+    for g in shared:
+        state = g["state"]
+        lines.append(
+            f"  group {g['index']} ({g['spec']}): {len(state['pieces'])} pieces per block, "
+            f"{state['layer_bytes_of_rank']} bytes of state per layer on a rank"
+        )
+        rows = [
+            (
+                f"s{p['shard']}",
+                p["piece"],
+                f"{p['bytes_per_layer']} B/layer",
+                "held by tp rank" + ("s " if len(p["held_by"]) > 1 else " ") + " ".join(map(str, p["held_by"])),
+                f"written by {p['writer_of_chunk0']}",
+            )
+            for p in state["pieces"]
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines += ["    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)
 
 
@@ -187,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
             value_identity=args.value_identity,
             block_size=args.block_size,
             hash_block_size=args.hash_block_size or args.block_size,
-            share_tp_size=args.kv_heads if args.share_across_tp == -1 else args.share_across_tp,
+            share_tp_size=args.share_across_tp,
         )
         info = describe(layout)
         if args.reader_tp:
@@ -217,7 +302,10 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--groups",
         default="full_attention",
         help="comma-separated group kinds: full_attention, sliding_window:W, mla, sliding_window_mla:W, mamba, "
-        "uniform(a+b); append /N for a block size of N tokens (default full_attention)",
+        "uniform(a+b), or a recurrent layer whose state can be shared across TP sizes: "
+        "mamba2(heads=H,head_dim=D,state=S,groups=G,conv=K), gdn(k_heads=,v_heads=,k_dim=,v_dim=,conv=), "
+        "kda(heads=,head_dim=,conv=), each optionally with layout=sd|ds, bytes=, ssm_bytes=, spec=; "
+        "append /N for a block size of N tokens (default full_attention)",
     )
     p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size D (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size P (default 1)")
@@ -235,11 +323,12 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--share-across-tp",
         type=int,
         nargs="?",
-        const=-1,
+        const=PER_INDEX,
         default=0,
         metavar="N",
-        help="store shareable groups for every TP size (docs/placement.md rule 11), as the connector's "
-        "share_across_tp does: alone, one value per KV head; with N, values cut as a TP=N engine holds its heads",
+        help="store shareable groups for every TP size (docs/placement.md rules 11 and 12), as the connector's "
+        "share_across_tp does: alone, one value per KV head and per state head or group; with N, values cut as a "
+        "TP=N engine holds its heads",
     )
     p.add_argument(
         "--reader-tp",

@@ -22,7 +22,7 @@ from kvsidecar_contract.placement.keys import (
     namespace_prefix,
     value_id,
 )
-from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel, kind_of, parse_group, parse_groups
+from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel
 from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
 from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.placement.spans import Spans, fine_grained, load_spans, save_spans
@@ -38,6 +38,7 @@ from kvsidecar_contract.placement.state import (
     kda_state,
     mamba2_state,
 )
+from kvsidecar_contract.placement.syntax import kind_of, parse_group, parse_groups
 
 __all__ = [
     "KEY_TAIL_PATTERN",

@@ -68,11 +68,10 @@ class StateAxis:
         if self.repeat and tp_size % self.size == 0:
             index = tp_rank // (tp_size // self.size)
             return range(index, index + 1)
-        how = (
-            f"one that divides {self.size} or that {self.size} divides" if self.repeat else f"a divisor of {self.size}"
-        )
+        multiple = " or is a multiple of it (the axis repeats)" if self.repeat else ""
         raise InvalidLayout(
-            f"state axis {self.name} of {self.size} cannot be sharded over {tp_size} TP ranks: vLLM needs {how}"
+            f"state axis {self.name} of {self.size} cannot be sharded over {tp_size} TP ranks: vLLM needs a TP size "
+            f"that divides {self.size}{multiple}"
         )
 
 

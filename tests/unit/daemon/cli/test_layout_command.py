@@ -100,3 +100,77 @@ def test_a_reader_of_another_tp_size_sees_who_wrote_each_value():
     assert {v["written_by"] for r in groups[2]["reads"] for v in r["values"]} == {None}
     table = run("--tp", "1", "--kv-heads", "2", "--share-across-tp", "--reader-tp", "2").stdout
     assert "reader rank 1: kvs1@@model~" in table and "<- written by tp rank 0" in table
+
+
+HYBRID = (
+    "--tp",
+    "2",
+    "--kv-heads",
+    "2",
+    "--groups",
+    "full_attention,mamba2(heads=4,head_dim=2,state=2,groups=1,conv=4)",
+)
+
+
+def test_the_state_pieces_of_a_hybrid_who_writes_them_and_who_reads_them():
+    out = run(*HYBRID, "--share-across-tp", "--reader-tp", "4", "--model", "M")
+    assert out.returncode == 0, out.stderr
+    pieces = out.stdout.split("recurrent state in pieces")[1].split("\n\n")[0]
+    assert pieces == (
+        " every TP size reads (rule 12), chunk 0:\n"
+        "  group 1 (mamba[heads=4,groups=1]): 5 pieces per block, 64 bytes of state per layer on a rank\n"
+        "    s0  heads 0   20 B/layer  held by tp rank 0     written by 0\n"
+        "    s1  heads 1   20 B/layer  held by tp rank 0     written by 0\n"
+        "    s2  heads 2   20 B/layer  held by tp rank 1     written by 1\n"
+        "    s3  heads 3   20 B/layer  held by tp rank 1     written by 1\n"
+        "    s4  groups 0  24 B/layer  held by tp ranks 0 1  written by 1"
+    )
+    # A TP=4 reader: each rank reads its one head and the group every rank repeats, all written at TP=2.
+    reads = out.stdout.split("  group 1 (mamba[heads=4,groups=1], shared across TP sizes)\n")[1].splitlines()
+    key = "kvs1@@M~1070ad0668efafd70c0f205a@s{}.c0.d0.p0.g1@" + "00" * 32
+    assert reads == [
+        line
+        for r, writer in enumerate((0, 0, 1, 1))
+        for line in (
+            f"    reader rank {r}: {key.format(r)} (heads {r})  <- written by tp rank {writer}",
+            f"    reader rank {r}: {key.format(4)} (groups 0)  <- written by tp rank 1",
+        )
+    ]
+
+
+def test_state_pieces_in_json_and_per_layout_state_without_sharing():
+    info = json.loads(run(*HYBRID, "--share-across-tp", "2", "--reader-tp", "1", "--json").stdout)
+    state = info["groups"][1]["state"]
+    assert state["axes"] == [
+        {"name": "heads", "size": 4, "repeat": False},
+        {"name": "groups", "size": 1, "repeat": True},
+    ]
+    assert [(p["shard"], p["piece"], p["held_by"], p["writer_of_chunk0"]) for p in state["pieces"]] == [
+        (0, "heads 0-1", [0], 0),
+        (1, "heads 2-3", [1], 1),
+        (2, "groups 0", [0, 1], 1),
+    ]
+    assert [(p["bytes_per_layer"]) for p in state["pieces"]] == [40, 40, 24]
+    reads = info["reader"]["groups"][1]["reads"]
+    assert [[(v["piece"], v["written_by"]) for v in r["values"]] for r in reads] == [
+        [("heads 0-1", 0), ("heads 2-3", 1), ("groups 0", 1)]
+    ]
+    plain = json.loads(run(*HYBRID, "--reader-tp", "1", "--json").stdout)
+    assert "pieces" not in plain["groups"][1]["state"] and plain["groups"][1]["state"]["layer_bytes_of_rank"] == 64
+    assert {v["written_by"] for r in plain["reader"]["groups"][1]["reads"] for v in r["values"]} == {None}
+
+
+@pytest.mark.parametrize(
+    ("groups", "extra", "reason"),
+    [
+        ("mamba2(heads=4)", (), "mamba2(...) needs head_dim, state, groups, conv"),
+        ("mamba2(heads=4,head_dim=2,state=2,groups=1,conv=4,colour=red)", (), "mamba2(...) takes heads=N"),
+        ("gdn(k_heads=2,v_heads=4,k_dim=2,v_dim=2,conv=4,layout=xy)", (), "layout must be sd or ds"),
+        ("mamba2(heads=3,head_dim=2,state=2,groups=1,conv=4)", (), "state axis heads of 3 cannot be sharded over 2"),
+        ("kda(heads=8,head_dim=2,conv=4)", ("--share-across-tp", "1"), "a TP=2 rank holds 4, not a whole number"),
+    ],
+)
+def test_state_layers_that_cannot_be_read_or_cut_exit_with_the_reason(groups, extra, reason):
+    out = run("--tp", "2", "--groups", groups, *extra)
+    assert out.returncode != 0 and out.stdout == ""
+    assert reason in out.stderr.strip()
