@@ -162,12 +162,18 @@ class RecurrentState:
         for axis in self.axes:
             axis.held(tp_size, 0)
 
-    def layer_bytes(self, tp_size: int) -> int:
-        """Bytes of one layer's state on a rank of TP tp_size."""
+    def tensor_bytes(self, tp_size: int) -> tuple[int, ...]:
+        """Bytes of each state tensor of one layer on a rank of TP tp_size (what vLLM's MambaSpec.shapes and dtypes
+        give that rank: a connector checks them before it describes a state, so a description that does not match
+        the engine's pages is never sent)."""
         held = [len(a.held(tp_size, 0)) for a in self.axes]
-        return sum(
+        return tuple(
             t.item_bytes * t.outer * t.inner * sum(held[s.axis] * s.width for s in t.segments) for t in self.tensors
         )
+
+    def layer_bytes(self, tp_size: int) -> int:
+        """Bytes of one layer's state on a rank of TP tp_size."""
+        return sum(self.tensor_bytes(tp_size))
 
     def pieces(self, share_tp_size: int) -> tuple[Piece, ...]:
         """Rule 12's cut at share_tp_size N: each axis in min(size, N) pieces of equal runs, axis after axis."""
@@ -238,17 +244,9 @@ class RecurrentState:
     def cut(self, share_tp_size: int, tp_size: int, tp_rank: int) -> StateCut:
         """What the daemon needs to turn a block of this rank into its values (the rank's pieces, in order)."""
         pieces = self.pieces(share_tp_size)
-        starts, base = [], 0
-        for tensor in self.tensors:
-            starts.append(base)
-            base += (
-                tensor.item_bytes
-                * tensor.outer
-                * tensor.inner
-                * sum(len(self.axes[s.axis].held(tp_size, tp_rank)) * s.width for s in tensor.segments)
-            )
+        starts = tuple(itertools.accumulate(self.tensor_bytes(tp_size), initial=0))
         own = self.own_pieces(share_tp_size, tp_size, tp_rank)
-        return StateCut(base, tuple(starts), tuple(self.slices(pieces[i], tp_size, tp_rank) for i in own))
+        return StateCut(starts[-1], starts[:-1], tuple(self.slices(pieces[i], tp_size, tp_rank) for i in own))
 
     def piece_bytes(self, piece: Piece) -> int:
         """Bytes of one layer's part of a piece (the same at every TP size)."""

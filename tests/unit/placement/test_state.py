@@ -71,6 +71,22 @@ def test_exact_slices_of_a_small_mamba2_at_tp_1_and_2():
     )
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_tensor_has_the_bytes_vllms_shape_calculator_gives_a_rank(tp):
+    # vLLM 0.33 MambaStateShapeCalculator, by hand: mamba2 conv (conv_kernel - 1, (H*P + 2*G'*N) / T) with G' the
+    # groups extended to T when G = 1, temporal (H / T, P, N); gdn conv (K-1, (2*Hk*Dk + Hv*Dv) / T), temporal
+    # (Hv / T, Dv, Dk); kda conv (K-1, 3*H*D / T), temporal (H / T, D, D).
+    mamba = Mamba2(8, 4, 1, 2, conv_kernel=4, conv_bytes=2, ssm_bytes=4)
+    groups = tp  # 1 + extra_groups_for_head_shards(1, tp)
+    assert mamba.state().tensor_bytes(tp) == (3 * ((8 * 4 + 2 * groups * 2) // tp) * 2, 8 // tp * 4 * 2 * 4)
+    gdn = GatedDeltaNet(4, 8, 2, 3, conv_kernel=4, conv_bytes=2, ssm_bytes=4)
+    assert gdn.state().tensor_bytes(tp) == (3 * ((2 * 4 * 2 + 8 * 3) // tp) * 2, 8 // tp * 3 * 2 * 4)
+    kda = Kda(4, 2, conv_kernel=3, conv_bytes=2, ssm_bytes=4)
+    assert kda.state().tensor_bytes(tp) == (2 * (3 * 4 * 2 // tp) * 2, 4 // tp * 2 * 2 * 4)
+    for layer in (mamba, gdn, kda):
+        assert layer.state().layer_bytes(tp) == len(layer.page("any", tp, 0))  # and the byte oracle's page
+
+
 def test_the_conv_state_dim_first_layout_puts_a_heads_channels_together():
     state = SMALL._replace(dim_first=True).state()
     cut = layout(state, 2, 0).value_cut(1)
