@@ -348,7 +348,7 @@ class Layout:
         the pieces of every axis it holds whole, axis after axis.
         """
         state = self.groups[group].state
-        if state is not None:
+        if state is not None and self.shared(group):
             return state.own_pieces(self.share_tp_size, self.parallel.tp_size, tp_rank)
         parts, tp = self.head_groups, self.parallel.tp_size
         if tp <= parts:

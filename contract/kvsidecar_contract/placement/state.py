@@ -177,6 +177,10 @@ class RecurrentState:
 
     def pieces(self, share_tp_size: int) -> tuple[Piece, ...]:
         """Rule 12's cut at share_tp_size N: each axis in min(size, N) pieces of equal runs, axis after axis."""
+        if share_tp_size < 1:
+            raise InvalidLayout(
+                f"state is cut in pieces only when shared across TP sizes, got share_tp_size {share_tp_size}"
+            )
         out: list[Piece] = []
         for a, axis in enumerate(self.axes):
             parts = min(axis.size, share_tp_size)
