@@ -6,10 +6,13 @@ from the DRAM replica, since nothing on the CPU can read device memory."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 
 import pytest
 
+from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store import StoreCode
+from kvsidecar.store.mooncake_store import MooncakeStore
 from kvsidecar.tiers.engine import DiskEngine
 from kvsidecar.tiers.tiered import TieredStore
 from kvsidecar_contract.placement import GroupSpec, Kind
@@ -17,6 +20,30 @@ from support.devicepath import hashes, rank
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def node_store(mooncake_client_env, mooncake_settings) -> Iterator[MooncakeStore]:  # type: ignore[no-untyped-def]
+    """A store alone on a master of its own, as a daemon is on its node: every replica lands in its own segment.
+
+    On the session's shared master, other tests' clients hold segments too and Mooncake places a put's replica in
+    any of them (measured: 2 of 12 landed in the putting client's segment with three clients mounted), so what these
+    tests check (copies straight from this process's segment) would hold only by chance.
+    """
+    master = EmbeddedMaster().start()
+    store = MooncakeStore.connect(mooncake_settings(master))
+    try:
+        yield store
+    finally:
+        store.close()
+        master.stop()
+
+
+@pytest.fixture
+def mooncake_store(node_store: MooncakeStore, key_prefix: str) -> Iterator[MooncakeStore]:
+    """This module's node store; keys under key_prefix are removed after the test."""
+    yield node_store
+    node_store.remove_prefix(key_prefix)
 
 
 def test_the_store_locates_replicas_in_its_own_segment_only(mooncake_store, key_prefix):

@@ -23,18 +23,31 @@ def memfd(size: int, *, backed: bool = True) -> int:
     return fd
 
 
-def resident(address: int) -> int:
-    """Bytes of this process's mapping at `address` that have page-table entries (smaps' Rss)."""
+def resident(address: int, size: int) -> int:
+    """Bytes of this process's mappings in [address, address + size) that have page-table entries (smaps' Rss).
+
+    Summed over every mapping in the range: the kernel may split one mapping into several.
+    """
+    total = 0
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
             if "-" in head[0] and ":" not in head[0]:
                 low, high = (int(x, 16) for x in head[0].split("-"))
-                inside = low <= address < high
+                inside = low < address + size and address < high
             elif inside and head[0] == "Rss:":
-                return int(head[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+                total += int(head[1]) * 1024
+    return total
+
+
+def populated(address: int, size: int) -> bool:
+    """Whether the range is populated: all of it but what reclaim may have taken back since.
+
+    Under memory pressure the kernel may unmap a few pages of a shmem mapping again (a CI run found 2 pages of
+    96 MiB gone); unpopulated, an untouched mapping has none.
+    """
+    return resident(address, size) >= size - size // 16
 
 
 def test_a_registered_memfd_is_populated_in_the_background_before_any_transfer_touches_it():
@@ -45,7 +58,7 @@ def test_a_registered_memfd_is_populated_in_the_background_before_any_transfer_t
         try:
             assert mapping._populator.done.wait(60)
             assert mapping._populator.bytes == size
-            assert resident(mapping.address) == size
+            assert populated(mapping.address, size), resident(mapping.address, size)
         finally:
             mapping.close()
     finally:
@@ -58,7 +71,7 @@ def test_a_small_memfd_is_populated_before_registration_returns():
         mapping = MemfdMapping(fd, 0, MIB)
         try:
             assert mapping._populator.done.is_set()
-            assert resident(mapping.address) == MIB
+            assert populated(mapping.address, MIB), resident(mapping.address, MIB)
         finally:
             mapping.close()
     finally:
