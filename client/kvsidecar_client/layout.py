@@ -133,7 +133,7 @@ class SessionSpec:
     layout: EngineLayout
     num_kv_heads: int
     hash_block_size: int
-    groups: tuple[GroupSpec, ...]
+    groups: tuple[placement.GroupSpec, ...]  # the client's GroupSpec, or the contract's it is
     cache_prefix: str = ""
     role: str = "rank"
     hash_bytes: int = 32
@@ -178,13 +178,11 @@ class SessionSpec:
 
     def to_placement(self) -> placement.Layout:
         """The contract's Layout of this session's rank, validated by the daemon's rules."""
-        groups = tuple(group.to_placement() for group in self.groups)
-        parallel = self.layout.to_parallel()
         return _contract(
             placement.Layout,
             self.model,
-            groups,
-            parallel,
+            self.groups,
+            self.layout,
             self.num_kv_heads,
             self.hash_block_size,
             self.cache_prefix,

@@ -7,6 +7,7 @@ wire carries it.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -149,6 +150,12 @@ def test_the_clients_session_sends_the_contracts_message(layout: Layout) -> None
     )
     assert spec.to_placement() == layout
     assert spec.to_proto() == to_message(layout, derive_dcp_rank=True)
+    # The contract's own groups serve as well: they are what the client's are.
+    assert SessionSpec(**{**vars_of(spec), "groups": layout.groups}).to_proto() == spec.to_proto()
+
+
+def vars_of(spec: SessionSpec) -> dict[str, object]:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
 
 
 @pytest.mark.skipif(WIRE_HAS_STATE, reason="the wire carries a group's state layout")
