@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_contract import placement
 from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.limits import MAX_GROUPS, MAX_NAME_CHARS
-from kvsidecar_contract.placement import Kind
+from kvsidecar_contract.mapping import group_to_message, parallel_to_message, to_message
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
@@ -37,103 +37,92 @@ def _check_u32(name: str, value: int, low: int = 0) -> None:
         raise InvalidRequest(f"{name} must be in [{low}, {_U32}], got {value}")
 
 
-def _contract(build: Callable[..., _T], *args: Any) -> _T:
+def _contract(build: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """Build a contract value; its refusal becomes the client's InvalidRequest with the daemon's own message."""
     try:
-        return build(*args)
+        return build(*args, **kwargs)
     except placement.PlacementError as error:
         raise InvalidRequest(str(error)) from None
 
 
-@dataclass(frozen=True)
-class EngineLayout:
+class EngineLayout(placement.Parallel):
     """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP (D, d).
 
-    dcp_rank is the rank in its DCP group as the engine's parallel state says; None lets the daemon derive it.
+    The contract's Parallel, checked as the client's input: dcp_rank is the rank in its DCP group as the engine's
+    parallel state says; None (or -1) lets the daemon derive it, and the wire then leaves it unset.
     """
 
-    tp_size: int = 1
-    tp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    pcp_size: int = 1
-    pcp_rank: int = 0
-    dcp_size: int = 1
-    dcp_rank: int | None = None
+    __slots__ = ("derives_dcp_rank",)
+    derives_dcp_rank: bool
 
-    def __post_init__(self) -> None:
-        for name in ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size"):
-            _check_int(name, getattr(self, name))
-        if self.dcp_rank is not None:
-            _check_u32("dcp_rank", self.dcp_rank)
+    def __init__(
+        self,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        pp_size: int = 1,
+        pp_rank: int = 0,
+        pcp_size: int = 1,
+        pcp_rank: int = 0,
+        dcp_size: int = 1,
+        dcp_rank: int | None = None,
+    ) -> None:
+        sizes = (tp_size, tp_rank, pp_size, pp_rank, pcp_size, pcp_rank, dcp_size)
+        for name, value in zip(_PARALLEL_FIELDS, sizes, strict=True):
+            _check_int(name, value)
+        derive = dcp_rank is None or dcp_rank == -1
+        if not derive:
+            _check_u32("dcp_rank", dcp_rank)  # type: ignore[arg-type]
+        object.__setattr__(self, "derives_dcp_rank", derive)
         # Which (T, C, D) vLLM accepts and each rank's DCP rank are the contract's rules (Parallel).
-        self.to_parallel()
+        _contract(super().__init__, *sizes, -1 if derive else dcp_rank)
+
+    def __reduce__(self) -> tuple[type[EngineLayout], tuple[int | None, ...]]:
+        # The dataclass's pickled state holds its fields only, not whether the DCP rank was derived.
+        sizes = tuple(getattr(self, name) for name in _PARALLEL_FIELDS)
+        return (EngineLayout, (*sizes, None if self.derives_dcp_rank else self.dcp_rank))
 
     def to_parallel(self) -> placement.Parallel:
-        """The contract's Parallel value, validated by the daemon's rules."""
-        return _contract(
-            placement.Parallel,
-            self.tp_size,
-            self.tp_rank,
-            self.pp_size,
-            self.pp_rank,
-            self.pcp_size,
-            self.pcp_rank,
-            self.dcp_size,
-            -1 if self.dcp_rank is None else self.dcp_rank,
-        )
+        """The contract's Parallel value (this one: an EngineLayout is one)."""
+        return self
 
     def to_proto(self) -> pb.ParallelLayout:
         """The contract's ParallelLayout message."""
-        return pb.ParallelLayout(
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
-            pp_size=self.pp_size,
-            pp_rank=self.pp_rank,
-            pcp_size=self.pcp_size,
-            pcp_rank=self.pcp_rank,
-            dcp_size=self.dcp_size,
-            dcp_rank=self.dcp_rank,
-        )
+        return parallel_to_message(self, derive_dcp_rank=self.derives_dcp_rank)
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """One KV-cache group: kind, tokens per physical block, window (sliding kinds), members (uniform)."""
+_PARALLEL_FIELDS = ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size")
 
-    kind: str
-    block_size: int
-    window: int = 0
-    inner: tuple[str, ...] = field(default=())
 
-    def __post_init__(self) -> None:
+class GroupSpec(placement.GroupSpec):
+    """One KV-cache group: the contract's GroupSpec, its kinds given by the names docs/placement.md uses (`"mla"`).
+
+    kind, tokens per physical block, window (sliding kinds), members (uniform) and, for a recurrent group, its
+    state's layout (rule 12).
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        kind: str,
+        block_size: int,
+        window: int = 0,
+        inner: Sequence[str] = (),
+        state: placement.RecurrentState | None = None,
+    ) -> None:
         # Accept any sequence for `inner` but store a tuple, so the spec stays hashable and immutable.
-        object.__setattr__(self, "inner", tuple(self.inner))
-        _contract(placement.kind_of, self.kind)
-        for member in self.inner:
-            _contract(placement.kind_of, member, "member kind")
-        _check_int("block_size", self.block_size)
-        _check_int("window", self.window)
-        self.to_placement()
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        """The kinds whose rules apply: the members of a uniform group, else the kind itself."""
-        return self.inner if self.kind == "uniform" else (self.kind,)
+        kinds = (_contract(placement.kind_of, kind), *(_contract(placement.kind_of, m, "member kind") for m in inner))
+        _check_int("block_size", block_size)
+        _check_int("window", window)
+        _contract(super().__init__, kinds[0], block_size, window, kinds[1:], state)
 
     def to_placement(self) -> placement.GroupSpec:
-        """The contract's GroupSpec value, validated by the daemon's rules."""
-        inner = tuple(Kind(kind) for kind in self.inner)
-        return _contract(placement.GroupSpec, Kind(self.kind), self.block_size, self.window, inner)
+        """The contract's GroupSpec value (this one: a GroupSpec is one)."""
+        return self
 
     def to_proto(self) -> pb.KVCacheGroup:
         """The contract's KVCacheGroup message."""
-        return pb.KVCacheGroup(
-            kind=KINDS[self.kind],
-            block_size=self.block_size,
-            window=self.window,
-            inner=[KINDS[kind] for kind in self.inner],
-        )
+        return _contract(group_to_message, self)
 
 
 @dataclass(frozen=True)
@@ -144,7 +133,7 @@ class SessionSpec:
     layout: EngineLayout
     num_kv_heads: int
     hash_block_size: int
-    groups: tuple[GroupSpec, ...]
+    groups: tuple[placement.GroupSpec, ...]  # the client's GroupSpec, or the contract's it is
     cache_prefix: str = ""
     role: str = "rank"
     hash_bytes: int = 32
@@ -161,9 +150,7 @@ class SessionSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
-        share = self.share_across_tp
-        if not isinstance(share, int) or (not isinstance(share, bool) and share < 1):
-            raise InvalidRequest(f"share_across_tp must be true, false or a TP size >= 1, got {share!r}")
+        _contract(placement.check_share_across_tp, self.share_across_tp)
         if self.role not in ROLES:
             raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
         for name in ("model", "cache_prefix", "value_identity"):
@@ -184,20 +171,18 @@ class SessionSpec:
         if len(self.groups) > MAX_GROUPS:
             raise InvalidRequest(f"at most {MAX_GROUPS} KV-cache groups per session, got {len(self.groups)}")
         for index, group in enumerate(self.groups):
-            if not isinstance(group, GroupSpec):
+            if not isinstance(group, placement.GroupSpec):
                 raise InvalidRequest(f"group {index} must be a GroupSpec, got {type(group).__name__}")
         # Names, heads, U and how every block span aligns with U: the daemon's own rules, refused before connecting.
         self.to_placement()
 
     def to_placement(self) -> placement.Layout:
         """The contract's Layout of this session's rank, validated by the daemon's rules."""
-        groups = tuple(group.to_placement() for group in self.groups)
-        parallel = self.layout.to_parallel()
         return _contract(
             placement.Layout,
             self.model,
-            groups,
-            parallel,
+            self.groups,
+            self.layout,
             self.num_kv_heads,
             self.hash_block_size,
             self.cache_prefix,
@@ -210,9 +195,7 @@ class SessionSpec:
     @property
     def share_tp_size(self) -> int:
         """The wire's share_tp_size: 0 (per layout), the KV heads (True: one value per head), or the TP size given."""
-        if isinstance(self.share_across_tp, bool):
-            return self.num_kv_heads if self.share_across_tp else 0
-        return self.share_across_tp
+        return placement.share_tp_size_of(self.share_across_tp, self.num_kv_heads)
 
     def cuts(self) -> list[tuple[int, int]]:
         """Per group, (values this rank stores per block, its KV heads): more than one value where a group is cut by
@@ -227,18 +210,11 @@ class SessionSpec:
 
     def to_proto(self) -> pb.OpenSessionRequest:
         """The contract's OpenSessionRequest message."""
-        return pb.OpenSessionRequest(
-            engine=pb.EngineIdentity(
-                model=self.model, cache_prefix=self.cache_prefix, value_identity=self.value_identity
-            ),
-            parallel=self.layout.to_proto(),
-            num_kv_heads=self.num_kv_heads,
-            hash_block_size=self.hash_block_size,
-            groups=[group.to_proto() for group in self.groups],
-            hash_bytes=self.hash_bytes,
+        return _contract(
+            to_message,
+            self.to_placement(),
             role=ROLES[self.role],
+            hash_bytes=self.hash_bytes,
             client_name=self.client_name,
-            hit_alignment_tokens=self.hit_alignment_tokens,
-            fine_grained_hits=self.fine_grained_hits,
-            share_tp_size=self.share_tp_size,
+            derive_dcp_rank=self.layout.derives_dcp_rank,
         )

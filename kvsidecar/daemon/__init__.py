@@ -1,5 +1,6 @@
-"""The daemon process: its lifecycle (every part built in order, stopped in reverse), its Unix socket paths, the
-embedded mooncake_master it supervises, and systemd notification.
+"""The daemon process: each part's settings cut from Config (the only room that reads it), its lifecycle (every part
+built in order, stopped in reverse), its Unix socket paths, the embedded mooncake_master it supervises, and systemd
+notification.
 
 Imports: config, errors, metrics, fence, store, tenancy, sessions, datapath, tiers, events, gpu, rpc; grpc,
 prometheus_client.

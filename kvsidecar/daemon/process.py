@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +24,22 @@ from kvsidecar import __version__
 from kvsidecar.config import Config, parse_address
 from kvsidecar.daemon import notify
 from kvsidecar.daemon.loopback import LoopbackGuard
+from kvsidecar.daemon.parts import build_data_path, build_service, build_sessions, open_tenancy
+from kvsidecar.daemon.settings import EventSettings, settings_of
 from kvsidecar.daemon.sockets import claim_socket, socket_gid
-from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError, FenceError
 from kvsidecar.events.feed import NO_EVENTS
 from kvsidecar.events.node import NodeEvents
 from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
-from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
+from kvsidecar.gpu.runtime import GpuRuntime
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc.datasocket import DataSocket
 from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.rpc.side import SideChannel
-from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
-from kvsidecar.tenancy.shares import SessionShares
 from kvsidecar.tiers.node import DiskTierNode
 from kvsidecar_contract.paths import data_socket_path, side_socket_path
 
@@ -60,17 +60,18 @@ class Daemon:
     def __init__(
         self, config: Config, *, store: Store | None = None, registry: CollectorRegistry | None = None
     ) -> None:
-        self.config = config
+        self.settings = settings = settings_of(config)  # each part is told only its own settings from here on
         # The disk tier is the daemon's own (tiers/), so it opens no listener: a single node admits nobody.
-        single_node = not config.master
+        single_node = not settings.master.address
         self.fence = DaemonFence(
-            policy_for(embedded_master=single_node, peer_networks=config.peer_network), self._master_admin_url
+            policy_for(embedded_master=single_node, peer_networks=settings.master.peer_networks),
+            self._master_admin_url,
         )
         self.metrics = Metrics(registry, listener_drops=self.fence.dropped)
         self._store = store
         self._owns_store = store is None  # the daemon opens Mooncake itself, and so owns its process's listeners
         self.master: Any = None
-        self.master_address = config.master
+        self.master_address = settings.master.address
         self.addresses: list[str] = []
         self.metrics_url = ""
         self._httpd: Any = None
@@ -96,93 +97,107 @@ class Daemon:
             raise
 
     async def _start(self) -> None:
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        claim_socket(cfg.socket)  # fail before starting a master if another daemon owns the socket
-        try:
-            self.tenancy = Tenancy(self.metrics, cfg.tenants, allow_shm_names=cfg.allow_shm_names)
-        except ConfigError as exc:
-            raise DaemonError(str(exc)) from None
+        """Every part, in dependency order; stop() undoes them in reverse."""
+        s, loop = self.settings, asyncio.get_running_loop()
+        claim_socket(s.socket.path)  # fail before starting a master if another daemon owns the socket
+        self.tenancy = tenancy = open_tenancy(s.tenancy, self.metrics)
         self._guard_loopback(loop)
-        if cfg.ssd_dir:
+        if s.disk is not None:
             # Claims the directory and replays its index (seconds for a full tier): off the event loop.
-            self.disk_tier = await loop.run_in_executor(None, DiskTierNode, cfg, self.metrics, self._master_metrics_url)
-        if self._store is None:
-            if not cfg.master:
-                self._start_master()
-            self._store = await loop.run_in_executor(None, self._open_store)
-        if self.disk_tier is not None:
-            self._store = self.disk_tier.wrap(self._store)  # one store to the data path: DRAM, the disk behind it
-        store = self._store
+            open_disk = partial(DiskTierNode, s.disk, self.metrics, self._master_metrics_url)
+            self.disk_tier = await loop.run_in_executor(None, open_disk)
+        self._store = store = await self._open_stores(loop)
         # CUDA contexts and the page-locked segment start in the background: ranks may register before they are done.
-        self.gpu = GpuRuntime(GpuSettings(cfg.gpu, cfg.gpu_staging_size, cfg.gpu_bounce_size), store, self.metrics)
-        self.gpu.start()
-        host, port = parse_address(cfg.metrics_address)
-        try:
-            with self.loopback.host():  # the sockets operators and engines reach are the host's
-                self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
-        except OSError as exc:
-            raise DaemonError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror}") from None
-        self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
-        if cfg.kv_events_endpoint:
-            # The store's lease-free location query lets the sweep see evictions. Its thread starts in the host's
-            # namespace (with the sockets routers reach), so its Mooncake calls are moved into the private one.
-            self.kv_events = NodeEvents(
-                cfg.kv_events_endpoint,
-                cfg.kv_events_replay_endpoint,
-                cfg.kv_events_topic,
-                self.metrics.registry,
-                self.loopback.inside(store.tiers),
-            )
-            try:
-                with self.loopback.host():
-                    self.kv_events.start()
-            except PublisherError as exc:
-                raise DaemonError(str(exc)) from None
-        # Built in dependency order: the store's buffer registration into the sessions, both into the service.
-        sessions = SessionRegistry(
-            cfg.session_ttl,
-            store.register_buffer,
-            store.unregister_buffer,
-            metrics=self.metrics,
-            shares=SessionShares.of(cfg),
-            devices=self.gpu if self.gpu.wanted else None,
-        )
-        tenancy = self.tenancy
-        datapath = DataPath(
-            store,
-            self.metrics,
-            budget_of=tenancy.budget,
-            events=self.kv_events.feed if self.kv_events else NO_EVENTS,
-            max_lookup_hashes=cfg.max_lookup_hashes,
-            gpu=self.gpu if self.gpu.wanted else None,
-        )
-        self.service = SidecarService(
+        self.gpu = gpu = GpuRuntime(s.gpu, store, self.metrics)
+        gpu.start()
+        self._serve_metrics()
+        self.kv_events = self._start_events(s.events, store)
+        # The store's buffer registration into the sessions, both into the service.
+        sessions = build_sessions(s.service, s.shares, store, self.metrics, gpu)
+        events = self.kv_events.feed if self.kv_events else NO_EVENTS
+        datapath = build_data_path(s.service, store, self.metrics, tenancy, gpu, events)
+        self.service = build_service(
+            s.service,
             datapath,
             sessions,
             tenancy,
             self.metrics,
-            workers=cfg.workers,
-            lookup_workers=cfg.lookup_workers,
-            lookups_per_account=cfg.lookups_per_account,
+            gpu,
             master_address=self.master_address,
-            side_socket=True,
             listeners=self.fence.listeners_with_drops,
-            gpu=self.gpu.describe,
         )
-        gid = socket_gid(cfg)
+        gid = socket_gid(s.socket.group)
+        await self._open_servers(self.service, gid)
+        self._open_data_socket(self.service, gid)
+        self._report_listeners()
+        await self._check_store()
+        self._housekeeping = asyncio.create_task(self._housekeep())
+        self._log_ready()
+
+    async def _open_stores(self, loop: asyncio.AbstractEventLoop) -> Store:
+        """The store the data path uses: the given one or Mooncake's (its master embedded or not), the disk tier
+        behind it."""
+        store = self._store
+        if store is None:
+            if not self.settings.master.address:
+                self._start_master()
+            store = await loop.run_in_executor(None, self._open_store)
+            self._store = store  # closed by stop() even if what follows fails
+        if self.disk_tier is not None:
+            store = self.disk_tier.wrap(store)  # one store to the data path: DRAM, the disk behind it
+        return store
+
+    def _serve_metrics(self) -> None:
+        host, port = parse_address(self.settings.metrics_address)
+        try:
+            with self.loopback.host():  # the sockets operators and engines reach are the host's
+                self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
+        except OSError as exc:
+            raise DaemonError(f"cannot serve metrics on {self.settings.metrics_address}: {exc.strerror}") from None
+        self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
+
+    def _start_events(self, settings: EventSettings | None, store: Store) -> NodeEvents | None:
+        if settings is None:
+            return None
+        # The store's lease-free location query lets the sweep see evictions. Its thread starts in the host's
+        # namespace (with the sockets routers reach), so its Mooncake calls are moved into the private one.
+        events = NodeEvents(
+            settings.endpoint,
+            settings.replay_endpoint,
+            settings.topic,
+            self.metrics.registry,
+            self.loopback.inside(store.tiers),
+        )
+        self.kv_events = events  # stopped by stop() even if it fails to start
+        try:
+            with self.loopback.host():
+                events.start()
+        except PublisherError as exc:
+            raise DaemonError(str(exc)) from None
+        return events
+
+    async def _open_servers(self, service: SidecarService, gid: int | None) -> None:
+        s = self.settings
+        tenancy, sessions = service.tenancy, service.sessions
         with self.loopback.host():
-            self._servers, self._health, self.addresses = create_servers(self.service, cfg, self.metrics, gid)
-            self.side = SideChannel(side_socket_path(cfg.socket), tenancy.tickets, sessions.accept_fds)
-            self.side.bind(cfg.socket_mode, gid)
+            self._servers, self._health, self.addresses = create_servers(service, s.servers, self.metrics, gid)
+            self.side = SideChannel(side_socket_path(s.socket.path), tenancy.tickets, sessions.accept_fds)
+            self.side.bind(s.socket.mode, gid)
             self.side.start()
             for server in self._servers:
                 await server.start()
+
+    def _open_data_socket(self, service: SidecarService, gid: int | None) -> None:
         # A Unix path reaches the same socket from any network namespace: its connection threads start here, where
         # the data pool's do (inside the loopback guard), since they call the store.
-        self.data_socket = DataSocket(data_socket_path(cfg.socket), self.service, self.metrics, cfg.max_message_bytes)
-        self.data_socket.bind(cfg.socket_mode, gid)
+        s = self.settings
+        self.data_socket = DataSocket(
+            data_socket_path(s.socket.path), service, self.metrics, s.service.max_message_bytes
+        )
+        self.data_socket.bind(s.socket.mode, gid)
         self.data_socket.start()
+
+    def _report_listeners(self) -> None:
         # The event sockets are kvsidecar's own: recorded before the fence's first sweep, which would fence them.
         for role, address, allowed in self.kv_events.listeners() if self.kv_events else ():
             self.fence.add_own(role, address, allowed)
@@ -192,9 +207,10 @@ class Daemon:
             allowed = guarded if self.loopback.private else f"local accounts (loopback): {self.loopback.description}"
             self.fence.add_own("master-rpc", self.master.address, allowed)
             self.fence.add_own("master-http", self.master.metrics_url.removeprefix("http://"), allowed)
-        self.fence.report(cfg, self.addresses, self._httpd.server_port, self.metrics)
-        await self._check_store()
-        self._housekeeping = asyncio.create_task(self._housekeep())
+        self.fence.report(self.settings.report, self.addresses, self._httpd.server_port, self.metrics)
+
+    def _log_ready(self) -> None:
+        assert self.tenancy is not None and self.gpu is not None
         extra = f" tcp+tls {self.addresses[1]}" if len(self.addresses) > 1 else ""
         origin = "embedded" if self.master is not None else "external"
         log.info(
@@ -205,7 +221,7 @@ class Daemon:
             self.metrics_url,
             self.master_address or "none",
             origin,
-            tenancy.table.describe(),
+            self.tenancy.table.describe(),
             self.gpu.describe(),
         )
         notify.ready(f"serving on {self.addresses[0]}")
@@ -213,13 +229,13 @@ class Daemon:
     def _guard_loopback(self, loop: asyncio.AbstractEventLoop) -> None:
         """Enter a private network namespace for the embedded master and Mooncake where this daemon can; where it
         cannot, say so, and refuse tenants unless the operator trusts the node's local accounts."""
-        cfg = self.config
-        if not (self._owns_store and not cfg.master):
-            why = "external master" if cfg.master else "no embedded master"
+        s = self.settings
+        if not (self._owns_store and not s.master.address):
+            why = "external master" if s.master.address else "no embedded master"
             self.loopback = LoopbackGuard.none(why)
             return
-        if cfg.protocol != "tcp":
-            self.loopback = LoopbackGuard.none(f"--protocol {cfg.protocol} uses the host's network devices")
+        if s.store.protocol != "tcp":
+            self.loopback = LoopbackGuard.none(f"--protocol {s.store.protocol} uses the host's network devices")
         else:
             self.loopback = LoopbackGuard.enter_private()
         if self.loopback.private:
@@ -228,7 +244,7 @@ class Daemon:
             loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kvsidecar-io"))
             log.info("loopback guard: %s", self.loopback.description)
             return
-        if cfg.tenants and not cfg.trust_local_accounts:
+        if s.tenancy.tenants and not s.tenancy.trust_local_accounts:
             raise DaemonError(
                 f"refusing --tenants: nothing guards the embedded master's loopback ports ({self.loopback.description}"
                 "), so every local account of this node could list, remove and place any tenant's keys; give the "
@@ -255,8 +271,8 @@ class Daemon:
         # Started from the event loop's thread, which lives as long as the daemon: the master is told to stop
         # by the kernel if the daemon dies without stopping it (see EmbeddedMaster).
         self.master = EmbeddedMaster(
-            binary=self.config.master_binary or None,
-            lease_ttl_ms=self.config.master_lease_ttl_ms,
+            binary=self.settings.master.binary or None,
+            lease_ttl_ms=self.settings.master.lease_ttl_ms,
             env=ensure_native_libs(),
         )
         self.master.start()
@@ -267,7 +283,7 @@ class Daemon:
         from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
         from kvsidecar.store.native import ensure_native_libs
 
-        cfg = self.config
+        cfg = self.settings.store
         ensure_native_libs()
         # Mooncake's own environment variables, set at the edge: stay on loopback when the node is loopback.
         if cfg.local_hostname in ("127.0.0.1", "localhost", "::1"):
@@ -389,7 +405,7 @@ class Daemon:
             self._httpd.shutdown()
             self._httpd.server_close()
         if self._servers:
-            Path(self.config.socket).unlink(missing_ok=True)
+            Path(self.settings.socket.path).unlink(missing_ok=True)
 
 
 async def serve(config: Config) -> None:

@@ -7,7 +7,6 @@ import logging
 import socket
 from pathlib import Path
 
-from kvsidecar.config import Config
 from kvsidecar.errors import DaemonError
 
 __all__ = ["claim_socket", "socket_gid"]
@@ -36,11 +35,11 @@ def claim_socket(path: str) -> None:
     raise DaemonError(f"another daemon is serving on {path}")
 
 
-def socket_gid(config: Config) -> int | None:
+def socket_gid(group: str) -> int | None:
     """The group that owns the daemon's socket files (--socket-group), if one is named."""
-    if not config.socket_group:
+    if not group:
         return None
     try:
-        return grp.getgrnam(config.socket_group).gr_gid
+        return grp.getgrnam(group).gr_gid
     except KeyError as exc:
-        raise DaemonError(f"cannot give the sockets to group {config.socket_group!r}: {exc}") from None
+        raise DaemonError(f"cannot give the sockets to group {group!r}: {exc}") from None

@@ -6,13 +6,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvsidecar.errors import FenceError
 from kvsidecar.fence import bpf, segments
 from kvsidecar.fence.guard import Listener, ListenerFence, Policy, listening_inodes
 
-__all__ = ["DaemonFence", "FenceError", "Listener", "is_loopback_host", "policy_for"]
+__all__ = ["DaemonFence", "FenceError", "Listener", "ReportSettings", "is_loopback_host", "policy_for"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -26,6 +27,16 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What the listener report says of kvsidecar's own listeners (cut from Config): the socket's mode and group,
+    the metrics endpoint's address."""
+
+    socket_mode: int
+    socket_group: str
+    metrics_address: str
 
 
 def policy_for(*, embedded_master: bool, peer_networks: tuple[str, ...]) -> Policy:
@@ -110,7 +121,7 @@ class DaemonFence:
     def release(self) -> None:
         self._fence.release()
 
-    def report(self, config: Any, addresses: list[str], metrics_port: int, metrics: Any) -> None:
+    def report(self, config: ReportSettings, addresses: list[str], metrics_port: int, metrics: Any) -> None:
         """Record kvsidecar's own listeners, export all of them as kvsidecar_listener_info and log them once."""
         group = f", group {config.socket_group}" if config.socket_group else ""
         self.add_own(

@@ -11,12 +11,12 @@ import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from kvsidecar.config import Config
 from kvsidecar.errors import ConfigError, Unauthenticated
 from kvsidecar.tenancy.table import Caller, hash_token
 from kvsidecar.tenancy.tickets import Tickets
@@ -82,7 +82,17 @@ def read_token(path: str) -> str:
     return token
 
 
-def server_credentials(config: Config) -> grpc.ServerCredentials:
+@dataclass(frozen=True)
+class TlsSettings:
+    """The TCP listener's files (cut from Config): certificate chain, key, client CA ("": none) and token file."""
+
+    cert: str
+    key: str
+    client_ca: str
+    token_file: str
+
+
+def server_credentials(config: TlsSettings) -> grpc.ServerCredentials:
     """TLS credentials of the TCP listener, requiring client certificates when a client CA is configured."""
 
     def read(path: str, what: str) -> bytes:
@@ -91,9 +101,9 @@ def server_credentials(config: Config) -> grpc.ServerCredentials:
         except OSError as exc:
             raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
 
-    chain = read(config.tls_cert, "TLS certificate")
-    key = read(config.tls_key, "TLS key")
-    ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+    chain = read(config.cert, "TLS certificate")
+    key = read(config.key, "TLS key")
+    ca = read(config.client_ca, "client CA") if config.client_ca else None
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
 
 
@@ -152,8 +162,8 @@ def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandl
     return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
 
 
-def check_files_exist(config: Config) -> None:
+def check_files_exist(config: TlsSettings) -> None:
     """Fail at start-up, not at the first TLS handshake, when a configured file is missing."""
-    for path in (config.tls_cert, config.tls_key, config.tls_client_ca, config.token_file):
+    for path in (config.cert, config.key, config.client_ca, config.token_file):
         if path and not os.path.isfile(path):
             raise ConfigError(f"no such file: {path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -10,20 +11,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvsidecar.config import Config, parse_address
+from kvsidecar.config import parse_address
 from kvsidecar.errors import DaemonError
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
-from kvsidecar.rpc.auth import TokenAuth, check_files_exist, read_token, server_credentials
+from kvsidecar.rpc.auth import TlsSettings, TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar_contract.proto import sidecar_pb2
 
-__all__ = ["SERVICE_NAME", "create_servers"]
+__all__ = ["SERVICE_NAME", "ServerSettings", "create_servers"]
 
 SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["Sidecar"].full_name
 
 
-def _server(service: SidecarService, health: health_aio.HealthServicer, config: Config, **kw: Any) -> grpc.aio.Server:
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the gRPC servers are told (cut from Config): the Unix socket, the TCP listener, the message limits."""
+
+    socket: str
+    socket_mode: int
+    socket_group: str  # its name, for the refusal; the gid is resolved by the caller
+    max_message_bytes: int
+    max_lookup_hashes: int
+    listen: str  # host:port of the TLS listener, "" for none
+    tls: TlsSettings
+    # Without client certificates, a tenants file's tokens guard the listener (as --token-file's does).
+    tenants: bool
+
+
+def _server(
+    service: SidecarService, health: health_aio.HealthServicer, config: ServerSettings, **kw: Any
+) -> grpc.aio.Server:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -41,7 +59,7 @@ def _server(service: SidecarService, health: health_aio.HealthServicer, config: 
 
 
 def create_servers(
-    service: SidecarService, config: Config, metrics: Metrics, socket_gid: int | None
+    service: SidecarService, config: ServerSettings, metrics: Metrics, socket_gid: int | None
 ) -> tuple[list[grpc.aio.Server], health_aio.HealthServicer, list[str]]:
     """The Unix-socket server (on a path the caller has claimed) and, with --listen, an authenticated TLS one;
     bound, not started."""
@@ -61,19 +79,19 @@ def create_servers(
             raise DaemonError(f"cannot give {config.socket} to group {config.socket_group!r}: {exc}") from None
     servers, addresses = [unix], [f"unix://{config.socket}"]
     if config.listen:
-        check_files_exist(config)
+        check_files_exist(config.tls)
         interceptors = []
         refused = metrics.requests_rejected
         tenancy = service.tenancy
         # With client certificates, a tenants file's own credentials decide at OpenSession; without them the
         # tenants' tokens guard the listener, as --token-file's does.
-        if config.token_file or (config.tenants and not config.tls_client_ca):
-            token = read_token(config.token_file) if config.token_file else None
+        if config.tls.token_file or (config.tenants and not config.tls.client_ca):
+            token = read_token(config.tls.token_file) if config.tls.token_file else None
             interceptors.append(
                 TokenAuth(token, lambda method: refused.labels(method, "UNAUTHENTICATED").inc(), tenancy.token_hashes)
             )
         tcp = _server(service, health, config, interceptors=interceptors)
-        port = tcp.add_secure_port(config.listen, server_credentials(config))
+        port = tcp.add_secure_port(config.listen, server_credentials(config.tls))
         if not port:
             raise DaemonError(f"cannot listen on {config.listen}")
         host, _ = parse_address(config.listen)

@@ -32,17 +32,15 @@ from kvsidecar.values import (
     SessionSummary,
     ShmHandle,
 )
-from kvsidecar_contract.kinds import KIND_OF_PROTO
 from kvsidecar_contract.limits import (
     MAX_BATCH_ITEMS,
     MAX_BLOCK_IDS,
-    MAX_GROUPS,
     MAX_HASH_BYTES,
     MAX_HASHES,
-    MAX_MODEL_CHARS,
     MAX_NAME_CHARS,
 )
-from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, PackedHashes, Parallel
+from kvsidecar_contract.mapping import from_message, parallel_to_message
+from kvsidecar_contract.placement import Geometry, Layout, PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
@@ -124,72 +122,14 @@ def lenient(cls: Any, most: int = 0, why: str = "") -> Any:
 
 
 def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:
-    """(role, layout, hash_bytes) of an OpenSession request."""
+    """(role, layout, hash_bytes) of an OpenSession request; the layout is the contract's reading of the message."""
     if req.role not in _ROLES:
         raise BadRequest("role must be ROLE_RANK or ROLE_SCHEDULER")
-    for name, value, most in (
-        ("model", req.engine.model, MAX_MODEL_CHARS),
-        ("cache_prefix", req.engine.cache_prefix, MAX_NAME_CHARS),
-        ("value_identity", req.engine.value_identity, MAX_NAME_CHARS),
-        ("client_name", req.client_name, MAX_NAME_CHARS),
-    ):
-        if len(value) > most:
-            raise BadRequest(f"{name} is {len(value)} characters long, more than {most}")
+    if len(req.client_name) > MAX_NAME_CHARS:
+        raise BadRequest(f"client_name is {len(req.client_name)} characters long, more than {MAX_NAME_CHARS}")
     if not 1 <= req.hash_bytes <= MAX_HASH_BYTES:
         raise BadRequest(f"hash_bytes must be in [1, {MAX_HASH_BYTES}], got {req.hash_bytes}")
-    if not req.groups:
-        raise BadRequest("a session needs at least one KV-cache group")
-    if len(req.groups) > MAX_GROUPS:
-        raise BadRequest(f"at most {MAX_GROUPS} KV-cache groups, got {len(req.groups)}")
-    groups = tuple(_group(i, g) for i, g in enumerate(req.groups))
-    p = req.parallel
-    if p.HasField("dcp_rank") and p.dcp_rank >= (p.dcp_size or 1):
-        raise BadRequest(f"dcp_rank must be in [0, dcp_size={p.dcp_size or 1}), got {p.dcp_rank}")
-    parallel = Parallel(
-        tp_size=p.tp_size,
-        tp_rank=p.tp_rank,
-        pp_size=p.pp_size or 1,
-        pp_rank=p.pp_rank,
-        pcp_size=p.pcp_size or 1,
-        pcp_rank=p.pcp_rank,
-        dcp_size=p.dcp_size or 1,
-        dcp_rank=p.dcp_rank if p.HasField("dcp_rank") else -1,
-    )
-    unit = req.hit_alignment_tokens
-    if unit and req.hash_block_size and unit % req.hash_block_size:
-        raise BadRequest(
-            f"hit_alignment_tokens {unit} must be a multiple of hash_block_size {req.hash_block_size} (0: derive it)"
-        )
-    fine = req.fine_grained_hits if req.HasField("fine_grained_hits") else None
-    if fine and unit and unit != req.hash_block_size:
-        raise BadRequest(
-            f"fine_grained_hits lands hits on every hash block: hit_alignment_tokens must be hash_block_size "
-            f"{req.hash_block_size} or 0, got {unit}"
-        )
-    layout = Layout(
-        model=req.engine.model,
-        groups=groups,
-        parallel=parallel,
-        num_kv_heads=req.num_kv_heads,
-        hash_block_size=req.hash_block_size,
-        cache_prefix=req.engine.cache_prefix,
-        hit_alignment_tokens=unit,
-        fine_grained_hits=fine,
-        value_identity=req.engine.value_identity,
-        share_tp_size=req.share_tp_size,
-    )
-    return _ROLES[req.role], layout, req.hash_bytes
-
-
-def _group(index: int, g: Any) -> GroupSpec:
-    if g.kind not in KIND_OF_PROTO:
-        raise BadRequest(f"group {index}: kind must be set")
-    inner = []
-    for k in g.inner:
-        if k not in KIND_OF_PROTO:
-            raise BadRequest(f"group {index}: member kinds must be set")
-        inner.append(KIND_OF_PROTO[k])
-    return GroupSpec(KIND_OF_PROTO[g.kind], g.block_size, g.window, tuple(inner))
+    return _ROLES[req.role], from_message(req), req.hash_bytes
 
 
 def regions(items: Sequence[Any]) -> list[RegionRequest]:
@@ -437,22 +377,12 @@ def stats_response(
 
 def session_info(s: SessionSummary) -> pb.SessionInfo:
     """One open session, as Stats shows it."""
-    p = s.parallel
     return pb.SessionInfo(
         session_id_prefix=s.id_prefix,
         role=ROLE_TO_PB[s.role],
         model=s.model,
         cache_prefix=s.cache_prefix,
-        parallel=pb.ParallelLayout(
-            tp_size=p.tp_size,
-            tp_rank=p.tp_rank,
-            pp_size=p.pp_size,
-            pp_rank=p.pp_rank,
-            pcp_size=p.pcp_size,
-            pcp_rank=p.pcp_rank,
-            dcp_size=p.dcp_size,
-            dcp_rank=p.dcp_rank,
-        ),
+        parallel=parallel_to_message(s.parallel),
         mapped_bytes=s.mapped_bytes,
         age_seconds=s.age_seconds,
         client_name=s.client_name,

@@ -7,6 +7,7 @@ bound to the others; the refusal names which cap it hit, its value, and the sett
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,11 +19,10 @@ from kvsidecar.config import (
     DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_SESSIONS_PER_ACCOUNT,
-    Config,
 )
 from kvsidecar.errors import Exhausted
 
-__all__ = ["SessionShares", "Shares", "account_of"]
+__all__ = ["SessionShares", "ShareLimits", "Shares", "account_of"]
 
 
 def account_of(tenant: str, uid: int | None, cert_subject: str | None = None) -> str:
@@ -110,6 +110,19 @@ def _bytes(n: int) -> str:
     return f"{n} bytes ({n / (1 << 30):.2f} GiB)"
 
 
+@dataclass(frozen=True)
+class ShareLimits:
+    """The caps of SessionShares (cut from Config): sessions, memfds and registered host bytes, per account and
+    daemon-wide."""
+
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_sessions_per_account: int = DEFAULT_MAX_SESSIONS_PER_ACCOUNT
+    max_memfds: int = DEFAULT_MAX_MEMFDS
+    max_memfds_per_account: int = DEFAULT_MAX_MEMFDS_PER_ACCOUNT
+    max_registered_bytes: int = DEFAULT_MAX_REGISTERED_BYTES
+    max_registered_bytes_per_account: int = DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT
+
+
 class SessionShares:
     """The shares sessions draw from: open sessions, memfds held, registered host bytes (settings in config.py)."""
 
@@ -147,13 +160,6 @@ class SessionShares:
         )
 
     @classmethod
-    def of(cls, cfg: Config) -> SessionShares:
+    def of(cls, limits: ShareLimits) -> SessionShares:
         """The shares a daemon's settings give."""
-        return cls(
-            max_sessions=cfg.max_sessions,
-            max_sessions_per_account=cfg.max_sessions_per_account,
-            max_memfds=cfg.max_memfds,
-            max_memfds_per_account=cfg.max_memfds_per_account,
-            max_registered_bytes=cfg.max_registered_bytes,
-            max_registered_bytes_per_account=cfg.max_registered_bytes_per_account,
-        )
+        return cls(**dataclasses.asdict(limits))

@@ -8,9 +8,9 @@ import os
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
-from kvsidecar.config import Config
 from kvsidecar.metrics import Metrics
 from kvsidecar.store.base import Store
 from kvsidecar.tiers.directory import SsdDirLock
@@ -19,7 +19,7 @@ from kvsidecar.tiers.holdings import count_tier_hits, master_memory_holdings
 from kvsidecar.tiers.results import DiskStats
 from kvsidecar.tiers.tiered import DISK, MEMORY, TieredStore
 
-__all__ = ["DiskTierNode"]
+__all__ = ["DiskTierNode", "DiskTierSettings"]
 
 log = logging.getLogger("kvsidecar")
 
@@ -27,17 +27,32 @@ MiB = 1 << 20
 _SAMPLE_EVERY_S = 5.0
 
 
-class DiskTierNode:
-    """One daemon's disk tier under config.ssd_dir, locked for as long as the daemon runs."""
+@dataclass(frozen=True)
+class DiskTierSettings:
+    """What the disk tier is told (cut from Config): its directory and sizes, the master it sits beside, and the
+    DRAM tier's size it reports beside its own."""
 
-    def __init__(self, config: Config, metrics: Metrics, master_metrics_url: Callable[[], str | None]) -> None:
+    directory: str
+    size: int
+    buffer_size: int
+    master: str  # the external master's address, "" for the embedded one
+    master_client_ttl: float
+    memory_size: int
+
+
+class DiskTierNode:
+    """One daemon's disk tier under its directory (--ssd-dir), locked for as long as the daemon runs."""
+
+    def __init__(
+        self, config: DiskTierSettings, metrics: Metrics, master_metrics_url: Callable[[], str | None]
+    ) -> None:
         """Lock the directory (SsdDirBusy names a live owner), recover its index and start the writer."""
         self.metrics = metrics
-        self.directory = os.path.realpath(config.ssd_dir)
+        self.directory = os.path.realpath(config.directory)
         self.lock = SsdDirLock.claim(self.directory, master=config.master)
         self._master_client_ttl = config.master_client_ttl
         try:
-            self.engine = DiskEngine(self.directory, config.ssd_size, queue_bytes=config.ssd_buffer_size)
+            self.engine = DiskEngine(self.directory, config.size, queue_bytes=config.buffer_size)
         except BaseException:
             self.lock.release()
             raise
@@ -60,8 +75,8 @@ class DiskTierNode:
         )
         metrics.disk_recovered_blocks.inc(r.blocks)
         metrics.disk_recovered_bytes.inc(r.bytes)
-        metrics.tier_capacity_bytes.labels(DISK).set(config.ssd_size)
-        metrics.tier_capacity_bytes.labels(MEMORY).set(config.segment_size)
+        metrics.tier_capacity_bytes.labels(DISK).set(config.size)
+        metrics.tier_capacity_bytes.labels(MEMORY).set(config.memory_size)
 
     def wrap(self, dram: Store) -> TieredStore:
         """The store the daemon serves: dram with this disk tier behind it (closing it closes the engine)."""

@@ -9,6 +9,7 @@ from typing import Any
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_contract.paths import default_target
+from kvsidecar_contract.placement import InvalidLayout, check_share_across_tp
 
 __all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings"]
 
@@ -65,11 +66,10 @@ class ConnectorSettings:
             deadlines = Deadlines(**{name: float(value) for name, value in timeouts.items()})
         except (TypeError, ValueError) as error:
             raise InvalidRequest(f"kv_connector_extra_config: bad timeouts {dict(timeouts)!r}: {error}") from None
-        share = extra.get("share_across_tp", False)
-        if not isinstance(share, int) or (not isinstance(share, bool) and share < 1):
-            raise InvalidRequest(
-                f"kv_connector_extra_config: share_across_tp must be true, false or a TP size >= 1, got {share!r}"
-            )
+        try:
+            share = check_share_across_tp(extra.get("share_across_tp", False))
+        except InvalidLayout as error:
+            raise InvalidRequest(f"kv_connector_extra_config: {error}") from None
         return cls(
             socket=socket, cache_prefix=prefix, model_identity=pinned, deadlines=deadlines, share_across_tp=share
         )

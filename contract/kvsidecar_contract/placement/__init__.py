@@ -22,7 +22,14 @@ from kvsidecar_contract.placement.keys import (
     namespace_prefix,
     value_id,
 )
-from kvsidecar_contract.placement.layout import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_contract.placement.layout import (
+    GroupSpec,
+    Kind,
+    Layout,
+    Parallel,
+    check_share_across_tp,
+    share_tp_size_of,
+)
 from kvsidecar_contract.placement.lookup import Hit, LookupPlan, compute_hit, lookup_plan
 from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.placement.spans import Spans, fine_grained, load_spans, save_spans
@@ -68,6 +75,7 @@ __all__ = [
     "StateTensor",
     "block_key",
     "check_hit",
+    "check_share_across_tp",
     "compute_hit",
     "fine_grained",
     "gated_delta_net_state",
@@ -85,6 +93,7 @@ __all__ = [
     "replication_factor",
     "save_plan",
     "save_spans",
+    "share_tp_size_of",
     "span",
     "value_id",
     "writes_chunk",

@@ -29,6 +29,13 @@ class Kind(str, enum.Enum):
     MAMBA = "mamba"
     UNIFORM = "uniform"
 
+    def __str__(self) -> str:
+        # The name docs and `--groups` use, as a str would print: `mla`, not `Kind.MLA`.
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
     @property
     def recurrent(self) -> bool:
         """State that is sharded by head/dim and stored per boundary, never as token blocks."""
@@ -45,7 +52,7 @@ class Kind(str, enum.Enum):
         return self in (Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class GroupSpec:
     """One KV-cache group: its kind, tokens per physical block, window, members if uniform, and its state's layout.
 
@@ -82,6 +89,16 @@ class GroupSpec:
                 f"{self.describe()}: a state layout describes recurrent state; only a group whose members are all "
                 "recurrent has one"
             )
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.kind, self.block_size, self.window, self.inner, self.state)
+
+    # A value, whatever class holds it: the client's GroupSpec (kinds given by name) equals the contract's.
+    def __eq__(self, other: object) -> bool:
+        return self._fields() == other._fields() if isinstance(other, GroupSpec) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
 
     @property
     def members(self) -> tuple[Kind, ...]:
@@ -167,7 +184,7 @@ def check_dcp_size(tp_size: int, pcp_size: int, dcp_size: int) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Parallel:
     """Parallel sizes and ranks of one engine rank: TP (T, r), PP (P, p), PCP (C, c) and DCP (D, d).
 
@@ -205,9 +222,36 @@ class Parallel:
                 f"state gives {expected}"
             )
 
+    def _fields(self) -> tuple[int, ...]:
+        sizes = (self.tp_size, self.pp_size, self.pcp_size, self.dcp_size)
+        return (*sizes, self.tp_rank, self.pp_rank, self.pcp_rank, self.dcp_rank)
+
+    # A value, whatever class holds it: the client's EngineLayout equals the contract's Parallel of the same ranks.
+    def __eq__(self, other: object) -> bool:
+        return self._fields() == other._fields() if isinstance(other, Parallel) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
     def dcp_rank_at(self, tp_rank: int, pcp_rank: int) -> int:
         """The DCP rank of another rank of the same engine."""
         return dcp_rank_of(tp_rank, pcp_rank, self.tp_size, self.pcp_size, self.dcp_size)
+
+
+def check_share_across_tp(share_across_tp: object) -> bool | int:
+    """The engine's `share_across_tp` (client and connector setting), or InvalidLayout: true, false or a TP size."""
+    if not isinstance(share_across_tp, int) or (not isinstance(share_across_tp, bool) and share_across_tp < 1):
+        raise InvalidLayout(f"share_across_tp must be true, false or a TP size >= 1, got {share_across_tp!r}")
+    return share_across_tp
+
+
+def share_tp_size_of(share_across_tp: bool | int, num_kv_heads: int) -> int:
+    """Rule 11: the Layout's share_tp_size of an engine's `share_across_tp`: 0 (false: per layout), one value per
+    KV head (true), or values cut as a TP=N engine holds its heads (N)."""
+    share = check_share_across_tp(share_across_tp)
+    if isinstance(share, bool):
+        return num_kv_heads if share else 0
+    return share
 
 
 @dataclass(frozen=True, slots=True)

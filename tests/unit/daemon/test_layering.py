@@ -130,3 +130,30 @@ def test_rooms_form_no_cycle_at_module_level():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+# Config is every flag; a part is told only its own settings, cut from Config in one place (daemon/settings.py) for
+# the daemon that holds them (daemon/process.py). cli/serve.py builds the Config from the command line.
+CONFIG_READERS = {"daemon/settings.py", "daemon/process.py"}
+
+
+def _imports_config(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name == "kvsidecar.config" for a in node.names)
+    if not isinstance(node, ast.ImportFrom):
+        return False
+    names = {a.name for a in node.names}
+    return (node.module == "kvsidecar.config" and bool(names & {"Config", "*"})) or (
+        node.module == "kvsidecar" and "config" in names
+    )
+
+
+def test_only_the_settings_cut_and_the_process_import_config():
+    readers = {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path != PACKAGE / "config.py"
+        # Type-checking imports count too: a part that names Config in its signature takes all of it.
+        and any(_imports_config(node) for node in ast.walk(ast.parse(path.read_text())))
+    }
+    assert readers == CONFIG_READERS

@@ -1,0 +1,97 @@
+"""The daemon's serving parts, each built from its own settings in dependency order: tenancy, then (over the store
+and the GPU runtime) sessions, the data path and the service. No socket, no process: the daemon binds its listeners
+around them, and a test builds them over the in-memory store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvsidecar.daemon.settings import ServiceSettings, TenancySettings
+from kvsidecar.datapath.transfers import DataPath
+from kvsidecar.errors import ConfigError, DaemonError
+from kvsidecar.events.feed import NO_EVENTS, StoreEvents
+from kvsidecar.fence.guard import Listener
+from kvsidecar.gpu.runtime import GpuRuntime
+from kvsidecar.metrics import Metrics
+from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar.sessions.registry import SessionRegistry
+from kvsidecar.store import Store
+from kvsidecar.tenancy.live import Tenancy
+from kvsidecar.tenancy.shares import SessionShares, ShareLimits
+
+__all__ = ["build_data_path", "build_service", "build_sessions", "open_tenancy"]
+
+
+def open_tenancy(settings: TenancySettings, metrics: Metrics) -> Tenancy:
+    """The tenants table (single-tenant without a file) and its live grants; a tenants file that cannot be used
+    stops the daemon with the reason."""
+    try:
+        return Tenancy(metrics, settings.tenants, allow_shm_names=settings.allow_shm_names)
+    except ConfigError as exc:
+        raise DaemonError(str(exc)) from None
+
+
+def _devices(gpu: GpuRuntime) -> GpuRuntime | None:
+    # Without a GPU path (off, or no driver), sessions refuse CUDA memory and the data path has no device side.
+    return gpu if gpu.wanted else None
+
+
+def build_sessions(
+    settings: ServiceSettings, shares: ShareLimits, store: Store, metrics: Metrics, gpu: GpuRuntime
+) -> SessionRegistry:
+    """The sessions, attaching memory through the store's buffer registration, within the daemon's shares."""
+    return SessionRegistry(
+        settings.session_ttl,
+        store.register_buffer,
+        store.unregister_buffer,
+        metrics=metrics,
+        shares=SessionShares.of(shares),
+        devices=_devices(gpu),
+    )
+
+
+def build_data_path(
+    settings: ServiceSettings,
+    store: Store,
+    metrics: Metrics,
+    tenancy: Tenancy,
+    gpu: GpuRuntime,
+    events: StoreEvents = NO_EVENTS,
+) -> DataPath:
+    """Saves, lookups and loads against the store, within each tenant's write budget, telling events of writes."""
+    return DataPath(
+        store,
+        metrics,
+        budget_of=tenancy.budget,
+        events=events,
+        max_lookup_hashes=settings.max_lookup_hashes,
+        gpu=_devices(gpu),
+    )
+
+
+def build_service(
+    settings: ServiceSettings,
+    datapath: DataPath,
+    sessions: SessionRegistry,
+    tenancy: Tenancy,
+    metrics: Metrics,
+    gpu: GpuRuntime,
+    *,
+    master_address: str = "",
+    listeners: Callable[[], list[tuple[Listener, int]]] = list,
+) -> SidecarService:
+    """The Sidecar service over the data path and the sessions, as both transports (gRPC, data socket) call it."""
+    return SidecarService(
+        datapath,
+        sessions,
+        tenancy,
+        metrics,
+        workers=settings.workers,
+        lookup_workers=settings.lookup_workers,
+        lookups_per_account=settings.lookups_per_account,
+        master_address=master_address,
+        side_socket=True,
+        listeners=listeners,
+        gpu=gpu.describe,
+    )
