@@ -1,4 +1,5 @@
-"""The daemon's data socket: Save, Load, their batches and Lookup without gRPC (`kvsidecar_contract.frames`).
+"""The daemon's data socket: Save, Load, their batches and Lookup without gRPC (`kvsidecar_contract.frames`; a
+method's frame number and response type are its row's in `kvsidecar_contract.methods`).
 
 Connections are kept per client and bound to its current session (a HELLO with the session's side secret); a call
 takes an idle one (or opens one, up to MAX_CONNECTIONS), writes its frame and reads the answer on the calling thread.
@@ -22,8 +23,8 @@ import grpc
 
 from kvsidecar_client.errors import DaemonUnavailable, DeadlineExceeded, error_for_status
 from kvsidecar_contract import frames
+from kvsidecar_contract.methods import BY_NAME
 from kvsidecar_contract.paths import data_socket_path
-from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["MAX_CONNECTIONS", "DataSocket", "data_socket_for"]
 
@@ -32,13 +33,6 @@ log = logging.getLogger("kvsidecar_client")
 MAX_CONNECTIONS = 10  # a rank's 8 save threads and its loads; more callers at once use gRPC
 _REFUSED_BACKOFF_S = 1.0  # after the daemon refused a connection, gRPC alone for this long
 
-_RESPONSES: dict[str, Any] = {
-    "Save": pb.SaveResponse,
-    "SaveBatch": pb.SaveBatchResponse,
-    "Load": pb.LoadResponse,
-    "LoadBatch": pb.LoadBatchResponse,
-    "Lookup": pb.LookupResponse,
-}
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -94,7 +88,7 @@ class DataSocket:
             if status != frames.OK:
                 code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
                 raise error_for_status(code, payload.decode(errors="replace"), method)
-            return _RESPONSES[method].FromString(payload)
+            return BY_NAME[method].response.FromString(payload)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -187,7 +181,7 @@ def _exchange(conn: socket.socket, method: str, body: bytes, deadline: float) ->
     conn.settimeout(left)
     try:
         try:
-            conn.sendall(frames.REQUEST.pack(len(body), frames.METHOD_IDS[method], left) + body)
+            conn.sendall(frames.REQUEST.pack(len(body), BY_NAME[method].frame, left) + body)
         except (BrokenPipeError, ConnectionResetError):
             raise _Stale from None
         try:

@@ -39,8 +39,8 @@ from kvsidecar_client.errors import (
 from kvsidecar_client.layout import SessionSpec
 from kvsidecar_client.memory import describe_regions
 from kvsidecar_client.results import Registration, SessionInfo
-from kvsidecar_contract.frames import METHOD_IDS
 from kvsidecar_contract.limits import MAX_MEMFDS
+from kvsidecar_contract.methods import BY_FRAME
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto.sidecar_pb2_grpc import SidecarStub
 
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["LiveSession", "Memory", "SessionKeeper", "remaining"]
+
+_FRAMED = frozenset(method.name for method in BY_FRAME.values())  # the calls the data socket carries
 
 log = logging.getLogger("kvsidecar_client")
 
@@ -203,7 +205,7 @@ class SessionKeeper:
         """One call, its failure mapped into the client's exceptions; saves, loads and lookups go over the data
         socket where the daemon has one for this session."""
         session = self._session
-        if self.data is not None and method in METHOD_IDS and session is not None and session.id == request.session_id:
+        if self.data is not None and method in _FRAMED and session is not None and session.id == request.session_id:
             try:
                 response = self.data.call(session.id, session.side_secret, method, request, timeout)
             except DaemonUnavailable as error:

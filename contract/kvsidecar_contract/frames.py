@@ -15,11 +15,14 @@ reply frame before the next request is read:
 The HELLO body is JSON {"session": id, "secret": hex of the session's side secret}; its reply's body is empty or the
 reason. A call's body is the method's request message (the same protobuf as over gRPC); its reply's body is the
 response message, or on failure the UTF-8 reason, the same code and reason the gRPC call would have answered.
+Which methods the data socket carries, and under which number, is their row's (`methods`).
 """
 
 from __future__ import annotations
 
 import struct
+
+from kvsidecar_contract.methods import BY_FRAME
 
 __all__ = ["HELLO", "MAX_HELLO_BYTES", "METHODS", "METHOD_IDS", "OK", "REPLY", "REQUEST"]
 
@@ -30,6 +33,7 @@ HELLO = 0
 OK = 0
 MAX_HELLO_BYTES = 1024
 
-# The calls the data socket carries (by id on the wire); every other method is gRPC's alone.
-METHODS: dict[int, str] = {1: "Save", 2: "SaveBatch", 3: "Load", 4: "LoadBatch", 5: "Lookup"}
+# The calls the data socket carries, by their number on the wire (read off the method table); every other method is
+# gRPC's alone.
+METHODS: dict[int, str] = {number: method.name for number, method in BY_FRAME.items()}
 METHOD_IDS: dict[str, int] = {name: number for number, name in METHODS.items()}

@@ -1,6 +1,7 @@
-"""The gRPC boundary, the only serving code that imports grpc: the servicer (unpack, call, reply), the wire
-conversions, the one table from errors to status codes, credentials (TLS, tokens, tickets), the gRPC servers, the
-side socket and the data socket (saves, loads and lookups without gRPC, answered by the same servicer).
+"""The gRPC boundary, the only serving code that imports grpc: one handler per method of the contract's table
+(handlers.py: unpack, call, reply), the two ways in that read a call into it (the gRPC servicer and the data socket:
+saves, loads and lookups without gRPC), the wire conversions, the one table from errors to status codes, credentials
+(TLS, tokens, tickets), the gRPC servers and the side socket.
 
 Imports: config, errors, values, metrics, fence, store, tenancy, sessions, datapath; grpc.
 """

@@ -2,9 +2,10 @@
 (`kvsidecar_contract.frames`).
 
 Each connection is bound to one session by its first frame (the session's side secret, from the uid that opened it)
-and served by one daemon thread that reads a call, runs it through the servicer to the store and writes the answer:
-no event loop, no pool hop, no HTTP/2. The servicer decides everything a gRPC call would (`answer_frame`), and a
-refusal carries the same code and reason.
+and served by one daemon thread that reads a call, runs its method's handler (handlers.py, the same as gRPC's) to
+the store and writes the answer: no event loop, no pool hop, no HTTP/2. A frame's number names its method-table row
+(`kvsidecar_contract.methods`); the handlers decide everything a gRPC call's would (`answer_frame`), and a refusal
+carries the same code and reason.
 
 A local account cannot starve the daemon through it: connections are bounded in all and per uid (one uid holds at
 most its share; a refused client sends its calls over gRPC), a connection that does not say hello in time is
@@ -22,12 +23,13 @@ import time
 
 from kvsidecar.errors import BadRequest, Exhausted, RequestError
 from kvsidecar.metrics import Metrics
-from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar.rpc.handlers import Handlers
 from kvsidecar.rpc.statuses import status_of
 from kvsidecar.rpc.unixsocket import UnixListener
 from kvsidecar.sessions.session import Session
 from kvsidecar.tenancy.tickets import PeerCred
 from kvsidecar_contract import frames
+from kvsidecar_contract.methods import BY_FRAME
 
 __all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataSocket"]
 
@@ -53,7 +55,7 @@ class DataSocket(UnixListener):
     TOTAL, TOTAL_NAME = MAX_CONNECTIONS, "MAX_CONNECTIONS"
     PER_UID, PER_UID_NAME = MAX_CONNECTIONS_PER_UID, "MAX_CONNECTIONS_PER_UID"
 
-    def __init__(self, path: str, service: SidecarService, metrics: Metrics, max_message_bytes: int) -> None:
+    def __init__(self, path: str, service: Handlers, metrics: Metrics, max_message_bytes: int) -> None:
         super().__init__(path)
         self.service = service
         self.metrics = metrics
@@ -107,12 +109,12 @@ class DataSocket(UnixListener):
         with session.lock:
             session.data_connections += 1
         try:
-            self._bound_calls(conn, session.id)
+            self._bound_calls(conn, session.id, peer)
         finally:
             with session.lock:
                 session.data_connections -= 1
 
-    def _bound_calls(self, conn: socket.socket, session_id: str) -> None:
+    def _bound_calls(self, conn: socket.socket, session_id: str, peer: PeerCred) -> None:
         conn.settimeout(None)
         header = bytearray(frames.REQUEST.size)
         while not self._stop.is_set():
@@ -124,7 +126,7 @@ class DataSocket(UnixListener):
                 _send_reply(conn, _code(BadRequest(reason)), reason.encode())
                 return
             body = _recv_body(conn, length)
-            status, payload = self._call(method_id, body, session_id, time_left)
+            status, payload = self._call(method_id, body, session_id, time_left, peer)
             _send_reply(conn, status, payload)
 
     def _hello(self, conn: socket.socket, peer: PeerCred) -> Session | None:
@@ -155,16 +157,19 @@ class DataSocket(UnixListener):
         _send_reply(conn, frames.OK, b"")
         return session
 
-    def _call(self, method_id: int, body: bytearray, session_id: str, time_left: float) -> tuple[int, bytes]:
-        method = frames.METHODS.get(method_id)
+    def _call(
+        self, method_id: int, body: bytearray, session_id: str, time_left: float, peer: PeerCred
+    ) -> tuple[int, bytes]:
+        method = BY_FRAME.get(method_id)
         if method is None:
-            known = ", ".join(f"{number} {name}" for number, name in frames.METHODS.items())
+            known = ", ".join(f"{number} {row.name}" for number, row in BY_FRAME.items())
             reason = f"unknown data-socket method {method_id}: one of {known}"
             return _code(BadRequest(reason)), reason.encode()
         try:
-            response = self.service.answer_frame(method, body, session_id, time_left if time_left > 0 else None)
+            left = time_left if time_left > 0 else None
+            response = self.service.answer_frame(method.name, body, session_id, left, peer)
         except Exception as exc:
-            code, reason = self.service.refused(method, exc)
+            code, reason = self.service.refused(method.name, exc)
             return code.value[0], reason.encode()
         return frames.OK, response.SerializeToString()
 

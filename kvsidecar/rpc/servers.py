@@ -17,11 +17,10 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.auth import TlsSettings, TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.rpc.servicer import SidecarService
-from kvsidecar_contract.proto import sidecar_pb2
 
 __all__ = ["SERVICE_NAME", "ServerSettings", "create_servers"]
 
-SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["Sidecar"].full_name
+SERVICE_NAME = wire.SERVICE_NAME
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,8 @@ def _server(
     ]
     server = grpc.aio.server(options=options, **kw)
     # A Lookup's request is parsed on the event loop, before --max-lookup-hashes could refuse it: its size is
-    # refused first, so one account's huge lookups cannot stall every other call (docs/security.md).
-    limits = {"Lookup": wire.lookup_limit(config.max_lookup_hashes)}
-    server.add_generic_rpc_handlers((wire.sidecar_handlers(service, limits),))
+    # refused first (its row's limit), so one account's huge lookups cannot stall every other call (docs/security.md).
+    server.add_generic_rpc_handlers((wire.sidecar_handlers(service, config.max_lookup_hashes),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

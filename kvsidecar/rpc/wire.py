@@ -5,8 +5,9 @@ Nothing else: no memory is opened, no session looked up, no store called here.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -40,11 +41,13 @@ from kvsidecar_contract.limits import (
     MAX_NAME_CHARS,
 )
 from kvsidecar_contract.mapping import from_message, parallel_to_message
+from kvsidecar_contract.methods import BY_NAME, METHODS, Method
 from kvsidecar_contract.placement import Geometry, Layout, PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
 ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Sidecar"].full_name
 
 
 class Undecodable:
@@ -85,32 +88,43 @@ def lookup_limit(max_hashes: int) -> tuple[int, str]:
     return lookup_request_bytes(max_hashes), why
 
 
-def sidecar_handlers(
-    servicer: Any, max_request_bytes: dict[str, tuple[int, str]] | None = None
-) -> grpc.GenericRpcHandler:
-    """The Sidecar service's handlers, parsing requests so that garbage reaches the servicer as Undecodable.
+def request_parser(method: Method, max_lookup_hashes: int) -> Callable[[bytes | bytearray], Any]:
+    """The parser of a method's requests, the same for gRPC and the data socket: garbage comes back Undecodable,
+    a request past its row's size limit Oversized (unparsed).
+
+    Built once per method (a parser per call costs every save and load); a Lookup's once per --max-lookup-hashes.
+    """
+    if method.limit == "max-lookup-hashes":
+        return _bounded_parser(method.name, max_lookup_hashes)
+    return _PARSERS[method.name]
+
+
+@functools.lru_cache(maxsize=8)
+def _bounded_parser(name: str, max_lookup_hashes: int) -> Callable[[bytes | bytearray], Any]:
+    return lenient(BY_NAME[name].request, *lookup_limit(max_lookup_hashes))
+
+
+def sidecar_handlers(servicer: Any, max_lookup_hashes: int) -> grpc.GenericRpcHandler:
+    """The Sidecar service's handlers, one per method-table row, parsing requests so that garbage reaches the
+    servicer as Undecodable and a request past its size limit as Oversized.
 
     gRPC's own deserializers raise before any servicer code runs, which clients see as UNKNOWN with no reason.
-    max_request_bytes maps a method to (most bytes, why): a larger request reaches it as Oversized, unparsed.
     """
-    service = pb.DESCRIPTOR.services_by_name["Sidecar"]
-    limits = max_request_bytes or {}
-    handlers = {}
-    for method in service.methods:
-        request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
-            request_deserializer=lenient(request_cls, *limits.get(method.name, (0, ""))),
-            response_serializer=response_cls.SerializeToString,
+            request_deserializer=request_parser(method, max_lookup_hashes),
+            response_serializer=method.response.SerializeToString,
         )
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+        for method in METHODS
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-def lenient(cls: Any, most: int = 0, why: str = "") -> Any:
+def lenient(cls: Any, most: int = 0, why: str = "") -> Callable[[bytes | bytearray], Any]:
     """A parser of cls's messages answering Undecodable for garbage and Oversized past `most` bytes."""
 
-    def parse(data: bytes) -> Any:
+    def parse(data: bytes | bytearray) -> Any:
         if most and len(data) > most:
             return Oversized(cls.DESCRIPTOR.name, len(data), most, why)
         try:
@@ -119,6 +133,9 @@ def lenient(cls: Any, most: int = 0, why: str = "") -> Any:
             return Undecodable(cls.DESCRIPTOR.full_name, str(exc))
 
     return parse
+
+
+_PARSERS: dict[str, Callable[[bytes | bytearray], Any]] = {method.name: lenient(method.request) for method in METHODS}
 
 
 def open_request(req: pb.OpenSessionRequest) -> tuple[Role, Layout, int]:

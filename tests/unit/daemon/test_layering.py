@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import kvsidecar
+import kvsidecar_client
 
 PACKAGE = Path(kvsidecar.__file__).parent
 # Third-party packages whose use must stay in the rooms that declare them.
@@ -157,3 +158,18 @@ def test_only_the_settings_cut_and_the_process_import_config():
         and any(_imports_config(node) for node in ast.walk(ast.parse(path.read_text())))
     }
     assert readers == CONFIG_READERS
+
+
+def test_the_two_ways_in_read_the_method_table_not_each_other():
+    # A method's messages, frame number, pool, gate and size limit are its row's (kvsidecar_contract.methods); the
+    # gRPC servicer and the data socket each read a call through it into the same handler (rpc/handlers.py).
+    rpc = PACKAGE / "rpc"
+    grpc_side = {"kvsidecar.rpc.servicer", "kvsidecar.rpc.servers"}
+    for name in ("servicer.py", "servers.py"):
+        assert "kvsidecar.rpc.datasocket" not in imports(rpc / name), name
+    assert not imports(rpc / "datasocket.py") & grpc_side
+    assert not imports(rpc / "handlers.py") & (grpc_side | {"kvsidecar.rpc.datasocket"})
+    for name in ("servicer.py", "datasocket.py", "handlers.py", "wire.py"):
+        assert "kvsidecar_contract.methods" in imports(rpc / name), name
+    client = Path(kvsidecar_client.__file__).parent
+    assert "kvsidecar_contract.methods" in imports(client / "_data.py")
