@@ -1,0 +1,162 @@
+"""DataPath on its own, over the in-memory store: saves, lookups and loads with their exact bytes, the blocks that
+fail with the store's codes, and the bounds it keeps (a tenant's write budget, a full store's backoff, the client's
+deadline, --max-lookup-hashes).
+
+A rank here is one full-attention group of one layer (K and V regions, two KV heads, TP 1) over plain memory whose
+blocks hold bytes from the byte oracle (support.stateranks); a value is one block's K bytes then its V bytes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvsidecar.datapath.backoff import NoSpaceBackoff
+from kvsidecar.datapath.transfers import DataPath
+from kvsidecar.errors import BadRequest
+from kvsidecar.metrics import Metrics
+from kvsidecar.reasons import Reason
+from kvsidecar.store import StoreCode
+from kvsidecar.store.memory_store import MemoryStore
+from kvsidecar.tenancy.budget import WriteBudget
+from kvsidecar.testing.hashes import chained_hashes
+from kvsidecar.values import Failure, LoadArgs, LookupArgs, SaveArgs, SaveOutcome
+from kvsidecar_contract.placement import save_plan
+from support.stateranks import Attention, Model, Rank
+
+MODEL = Model((Attention(),), kv_heads=2, layers=1)
+HASHES = chained_hashes("prompt", 4)
+TOKENS = 64
+WRITER_IDS = [1, 3, 5, 6]
+READER_IDS = [7, 2, 0, 4]
+VALUE_BYTES = 2 * 256  # K and V of one block: 16 tokens x 2 heads x 4 fp16 elements each
+
+
+def rank(tenant: str = "") -> Rank:
+    r = Rank(MODEL, MODEL.layout(1))
+    r.session.tenant = tenant
+    return r
+
+
+def filled(tenant: str = "") -> Rank:
+    r = rank(tenant)
+    r.fill(HASHES, WRITER_IDS)
+    return r
+
+
+def keys(r: Rank, block_ids: list[int] = WRITER_IDS) -> list[str]:
+    """Each block's key, in prompt order."""
+    return [c.key for c in save_plan(r.session.geometry, HASHES, [block_ids], TOKENS, 0).chunks]
+
+
+def value(r: Rank, block_id: int) -> bytes:
+    return r.regions[0].read(block_id) + r.regions[1].read(block_id)
+
+
+def path(store: MemoryStore, **kw: object) -> DataPath:
+    return DataPath(store, Metrics(CollectorRegistry()), **kw)  # type: ignore[arg-type]
+
+
+def save(dp: DataPath, r: Rank, deadline: float | None = None) -> SaveOutcome:
+    return dp.save(r.session, SaveArgs(HASHES, [WRITER_IDS], TOKENS), deadline)
+
+
+def load(dp: DataPath, r: Rank, hit_tokens: int = TOKENS) -> list[Failure]:
+    return list(dp.load(r.session, LoadArgs(HASHES, [READER_IDS], hit_tokens, (hit_tokens,))).failures)
+
+
+def test_a_save_writes_each_block_once_and_a_load_brings_back_exactly_its_bytes():
+    store = MemoryStore()
+    dp = path(store)
+    writer = filled()
+    assert save(dp, writer) == SaveOutcome(4, 0, (), 0, 4 * VALUE_BYTES)
+    assert store.keys() == sorted(keys(writer))
+    for key, block in zip(keys(writer), WRITER_IDS, strict=True):
+        assert store.value(key) == value(writer, block)
+    # Saved again (another rank of a replica, a retried step): found there, nothing written twice.
+    assert save(dp, writer) == SaveOutcome(0, 4, (), 0, 0)
+    assert store.used_bytes == 4 * VALUE_BYTES
+
+    reader = rank()
+    assert load(dp, reader) == []
+    for got, put in zip(READER_IDS, WRITER_IDS, strict=True):
+        assert value(reader, got) == value(writer, put)
+    untouched = [b for b in range(8) if b not in READER_IDS]
+    assert all(value(reader, b) == value(rank(), b) for b in untouched)
+
+
+def test_a_lookup_hits_up_to_the_first_missing_block_and_a_failed_probe_is_a_degraded_miss():
+    store = MemoryStore()
+    dp = path(store)
+    writer = filled()
+    save(dp, writer)
+    scheduler = rank().session
+    out = dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1))
+    assert (out.hit.tokens, out.degraded, out.detail) == (TOKENS, False, "")
+    # The third block gone: a hit never extends past a miss.
+    store.remove([keys(writer)[2]])
+    assert dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1)).hit.tokens == 32
+    # A probe the store cannot answer counts as missing, and the answer says it may be short.
+    store.fail_keys(StoreCode.RPC_TIMEOUT, [keys(writer)[1]], ["exists"])
+    out = dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1))
+    assert out.hit.tokens == 16 and out.degraded and "existence probes failed" in out.detail
+
+
+def test_blocks_failing_in_the_store_are_named_with_its_code_and_the_others_go_through():
+    store = MemoryStore()
+    dp = path(store)
+    writer = filled()
+    store.fail_keys(StoreCode.TRANSFER_FAILED, [keys(writer)[1]], ["put"])
+    out = save(dp, writer)
+    assert (out.written, out.failures) == (3, (Failure(0, 3, Reason.TRANSFER_FAILED),))
+    assert keys(writer)[1] not in store.keys() and len(store.keys()) == 3
+    store.set_fault(None)
+    assert save(dp, writer).written == 1  # the retry writes only what failed
+
+    store.fail_keys(StoreCode.RPC_FAILED, [keys(writer)[0], keys(writer)[3]], ["get"])
+    reader = rank()
+    assert load(dp, reader) == [Failure(0, 7, Reason.RPC_FAILED), Failure(0, 4, Reason.RPC_FAILED)]
+    assert value(reader, 2) == value(writer, 3) and value(reader, 0) == value(writer, 5)
+    assert value(reader, 7) == value(rank(), 7)  # a failed read leaves the block as it was
+
+
+def test_a_tenant_past_its_write_budget_writes_what_fits_in_prompt_order():
+    store = MemoryStore()
+    budget = WriteBudget(0, 2 * VALUE_BYTES + 1, clock=lambda: 0.0)
+    dp = path(store, budget_of=lambda tenant: budget if tenant == "a" else None)
+    out = save(dp, filled("a"))
+    assert out.written == 2
+    assert out.failures == (Failure(0, 5, Reason.TENANT_BUDGET), Failure(0, 6, Reason.TENANT_BUDGET))
+    assert save(dp, filled("b")).written == 2  # another tenant's budget is its own (here: none)
+
+
+def test_a_full_store_is_not_asked_again_until_its_backoff_ends():
+    now = [0.0]
+    store = MemoryStore(capacity_bytes=VALUE_BYTES)
+    dp = path(store, backoff=NoSpaceBackoff(first=1.0, clock=lambda: now[0]))
+    writer = filled()
+    out = save(dp, writer)
+    assert out.written == 1 and [f.reason for f in out.failures] == [Reason.NO_SPACE] * 3
+    # Room again, but the store is still evicting: within the backoff nothing is tried.
+    store.remove(store.keys())
+    out = save(dp, writer)
+    assert out.written == 0 and [f.block_id for f in out.failures] == WRITER_IDS and not store.keys()
+    now[0] = 1.5
+    assert save(dp, writer).written == 1  # tried again after it: one fits
+
+
+def test_a_save_past_its_deadline_writes_nothing():
+    store = MemoryStore()
+    dp = path(store)
+    out = save(dp, filled(), deadline=time.monotonic() - 1)
+    assert out.written == 0 and out.failures == tuple(Failure(0, b, Reason.DEADLINE_EXCEEDED) for b in WRITER_IDS)
+    assert store.keys() == []
+
+
+def test_a_lookup_of_more_hashes_than_the_limit_is_refused_naming_it():
+    dp = path(MemoryStore(), max_lookup_hashes=3)
+    with pytest.raises(BadRequest, match=r"a Lookup of 4 block hashes: at most 3 per call \(--max-lookup-hashes\)"):
+        dp.lookup(rank().session, LookupArgs(HASHES, TOKENS + 1))
+    assert dp.lookup(rank().session, LookupArgs(HASHES[:3], 49)).hit.tokens == 0
