@@ -34,6 +34,7 @@ from kvsidecar_client.errors import (
 from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
 from kvsidecar_client.memory import shared_tensor
+from kvsidecar_client.probe import DaemonProbe
 from kvsidecar_client.results import (
     FailedBlock,
     GroupPlacement,
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ClientClosed",
     "DaemonError",
+    "DaemonProbe",
     "DaemonUnavailable",
     "DeadlineExceeded",
     "Deadlines",

@@ -12,40 +12,33 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsidecar.rpc.servers import SERVICE_NAME
-from kvsidecar_client import SidecarError, TcpAuth
-from kvsidecar_client._channel import make_channel
-from kvsidecar_client._side import side_socket_for
+from kvsidecar_client import PermissionDenied, SidecarError, TcpAuth
+from kvsidecar_client.probe import DaemonProbe
 from kvsidecar_contract.paths import default_socket_path
-from kvsidecar_contract.proto import sidecar_pb2, sidecar_pb2_grpc
+from kvsidecar_contract.proto import sidecar_pb2
 
 EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2
 
 
 def query(target: str, timeout: float, auth: TcpAuth | None = None) -> dict[str, Any]:
-    """Health of the daemon and of its store, and its stats; raises grpc.RpcError when unreachable."""
-    with make_channel(target, auth=auth) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
+    """Health of the daemon and of its store, and its stats; raises grpc.RpcError or SidecarError when unreachable."""
+    with DaemonProbe(target, auth) as probe:
+        health = health_pb2_grpc.HealthStub(probe.channel)
         daemon = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         sidecar = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
-        # Over the Unix socket, a side-socket ticket tells the daemon our uid: a tenant sees its own sessions.
-        side = side_socket_for(target) if auth is None else None
-        try:
-            metadata = tuple(side.metadata(timeout)) if side is not None else ()
-        except SidecarError:
-            metadata = ()  # an older daemon without a side socket, or one still starting
-        stub = sidecar_pb2_grpc.SidecarStub(channel)
         serving = health_pb2.HealthCheckResponse.SERVING
         try:
-            stats = stub.Stats(sidecar_pb2.StatsRequest(), timeout=timeout, metadata=metadata or None)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
-                raise
+            # Over the Unix socket, the probe proves our uid: a tenant sees its own sessions.
+            stats = probe.stats(timeout)
+        except PermissionDenied as exc:
+            if exc.code is not grpc.StatusCode.PERMISSION_DENIED:
+                raise  # UNAUTHENTICATED: a TCP caller without its token learns nothing more
             # A caller that is no tenant's (a probe under another uid) still learns the daemon's health.
             stats = sidecar_pb2.StatsResponse(
                 daemon_version="?",
                 store_healthy=sidecar.status == serving,
                 store_detail="from the health service",
-                tenancy=f"multi-tenant (Stats refused: {exc.details()})",
+                tenancy=f"multi-tenant (Stats refused: {exc.reason})",
             )
     return {
         "address": target,
@@ -130,7 +123,11 @@ def run(
         info = query(target, timeout, auth)
     except grpc.RpcError as exc:
         if not quiet:
-            print(unreachable(target, f"gRPC {exc.code().name}: {(exc.details() or '').splitlines()[0][:160]}"))
+            print(unreachable(target, _failed(exc.code(), exc.details())))
+        return EXIT_UNREACHABLE
+    except SidecarError as exc:
+        if not quiet:
+            print(unreachable(target, _failed(exc.code or grpc.StatusCode.UNAVAILABLE, exc.reason)))
         return EXIT_UNREACHABLE
     if not quiet:
         print(json.dumps(info, indent=2) if as_json else render(info))
@@ -139,6 +136,11 @@ def run(
     if live_only or (info["store_healthy"] and info["store_serving"]):
         return EXIT_HEALTHY
     return EXIT_STORE_DOWN
+
+
+def _failed(code: grpc.StatusCode, details: str | None) -> str:
+    lines = (details or "").splitlines()
+    return f"gRPC {code.name}: {lines[0][:160] if lines else ''}"
 
 
 def command(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import kvsidecar_client
 PUBLIC = [
     "ClientClosed",
     "DaemonError",
+    "DaemonProbe",
     "DaemonUnavailable",
     "DeadlineExceeded",
     "Deadlines",
@@ -47,7 +48,7 @@ def test_every_public_name_is_exported_and_defined_in_the_package():
     public = {name for name in dir(kvsidecar_client) if not name.startswith("_")}
     # Submodules appear once imported (vllm among them: its pure plan module is tested without vLLM).
     modules = {
-        "allocation", "batch", "client", "deadlines", "errors", "jobs", "layout", "memory", "proto", "results",
+        "allocation", "batch", "client", "deadlines", "errors", "jobs", "layout", "memory", "probe", "proto", "results",
         "saves", "session", "vllm",
     }  # fmt: skip
     assert public - modules == set(PUBLIC)

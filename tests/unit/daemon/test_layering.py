@@ -173,3 +173,9 @@ def test_the_two_ways_in_read_the_method_table_not_each_other():
         assert "kvsidecar_contract.methods" in imports(rpc / name), name
     client = Path(kvsidecar_client.__file__).parent
     assert "kvsidecar_contract.methods" in imports(client / "_data.py")
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_daemon_uses_only_the_clients_public_modules(path):
+    private = [m for m in imports(path) if m.startswith("kvsidecar_client.") and "._" in f".{m.split('.', 1)[1]}"]
+    assert not private, f"{path.relative_to(PACKAGE)} imports {private}: use the client's public API"
