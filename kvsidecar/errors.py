@@ -4,8 +4,9 @@
   one gRPC status): `BadRequest`, `Unauthenticated`, `UnknownSession`, `OutOfOrder`, `Forbidden`, `ShuttingDown`.
   The placement core's
   `PlacementError` (kvsidecar_contract) is answered like `BadRequest`.
-- `StoreError` (`StoreUnavailable`): a store call failed as a whole; its `code` is a store.codes.StoreCode. Failures
-  of single keys are not errors but per-key codes, and a block's failure reaches the client as a reasons.Reason.
+- `StoreError`: a store call failed as a whole; its `code` is a store.codes.StoreCode (`StoreUnavailable`, the store
+  cannot be reached at all, is the store's own: store/base.py). Failures of single keys are not errors but per-key
+  codes, and a block's failure reaches the client as a reasons.Reason.
 - `ConfigError`: a flag, config file, tenants file or token file that cannot be used; the daemon does not start.
 - `DaemonError`: the daemon cannot start or must stop: `MasterError` (the embedded mooncake_master),
   `FenceError` (a Mooncake listener that cannot be fenced), `DiskDirBusy` (another daemon owns the disk tier),
@@ -14,7 +15,7 @@
 
 Test machinery (kvsidecar/testing) has its own: ProcessError, RankError, WaitTimeout.
 
-Imports: store (StoreUnavailable's code, when one is raised).
+Imports: (nothing of the daemon's: a StoreError's code is named here for types only).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ __all__ = [
     "ShuttingDown",
     "Exhausted",
     "StoreError",
-    "StoreUnavailable",
     "TooLate",
     "Unauthenticated",
     "UnknownSession",
@@ -90,15 +90,6 @@ class StoreError(Exception):
         super().__init__(f"{code.value}: {reason}")
         self.code = code
         self.reason = reason
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be reached (closed, master down, setup failed)."""
-
-    def __init__(self, reason: str) -> None:
-        from kvsidecar.store.codes import StoreCode
-
-        super().__init__(StoreCode.UNAVAILABLE, reason)
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,14 @@ from typing import NamedTuple, Protocol
 from kvsidecar.errors import StoreError
 from kvsidecar.store.codes import Presence, StoreCode
 
-__all__ = ["Presence", "Replica", "Store", "StoreHealth", "check_batch_shapes"]
+__all__ = ["Presence", "Replica", "Store", "StoreHealth", "StoreUnavailable", "check_batch_shapes"]
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (closed, master down, setup failed)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(StoreCode.UNAVAILABLE, reason)
 
 
 class StoreHealth(NamedTuple):

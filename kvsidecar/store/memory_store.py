@@ -7,8 +7,8 @@ import re
 import threading
 from collections.abc import Callable, Collection, Sequence
 
-from kvsidecar.errors import StoreError, StoreUnavailable
-from kvsidecar.store.base import Presence, Replica, StoreHealth, check_batch_shapes
+from kvsidecar.errors import StoreError
+from kvsidecar.store.base import Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
 from kvsidecar.store.codes import StoreCode, presence_of_failure
 
 __all__ = ["OPERATIONS", "Fault", "MemoryStore", "Operation"]

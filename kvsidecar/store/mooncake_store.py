@@ -36,8 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvsidecar.errors import StoreError, StoreUnavailable
-from kvsidecar.store.base import Presence, Replica, StoreHealth, check_batch_shapes
+from kvsidecar.errors import StoreError
+from kvsidecar.store.base import Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
 from kvsidecar.store.codes import SUCCESS, Health, StoreCode, from_mooncake, presence_from_mooncake
 from kvsidecar.store.prefault import SegmentPrefault, locate_segment
 from kvsidecar.store.setup_output import quiet_setup

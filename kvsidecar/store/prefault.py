@@ -16,8 +16,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kvsidecar.errors import StoreError, StoreUnavailable
-from kvsidecar.store.base import Replica
+from kvsidecar.errors import StoreError
+from kvsidecar.store.base import Replica, StoreUnavailable
 from kvsidecar.store.codes import SUCCESS, StoreCode
 
 __all__ = ["SegmentPrefault", "locate_segment", "writable_mapping_end"]

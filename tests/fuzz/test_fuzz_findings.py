@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from kvsidecar.daemon.master import EmbeddedMaster
-from kvsidecar.errors import StoreUnavailable
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzdaemon import FuzzDaemon

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from kvsidecar.daemon.master import EmbeddedMaster
-from kvsidecar.errors import StoreError, StoreUnavailable
+from kvsidecar.errors import StoreError
 from kvsidecar.store import Presence, StoreCode
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore, prefix_regex
 
 # Master-down calls return after ~4.6 s (measured); anything near this bound is a hang.

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from kvsidecar.errors import StoreUnavailable
 from kvsidecar.store import StoreCode
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.inprocess import InProcessDaemon
 from support.rawrank import RawRank, group, open_request

@@ -15,12 +15,12 @@ from kvsidecar.errors import (
     RequestError,
     ShuttingDown,
     StoreError,
-    StoreUnavailable,
     TooLate,
     UnknownSession,
 )
 from kvsidecar.rpc.statuses import MAX_REASON_CHARS, status_of
 from kvsidecar.store import StoreCode
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar_contract.placement import InvalidLayout, InvalidRequest
 
 C = grpc.StatusCode

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.errors import StoreError, StoreUnavailable
+from kvsidecar.errors import StoreError
 from kvsidecar.reasons import Reason
 from kvsidecar.store import Presence, StoreCode
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.codes import (
     SUCCESS,
     Health,

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.errors import StoreError, StoreUnavailable
+from kvsidecar.errors import StoreError
 from kvsidecar.store import Presence, Store, StoreCode
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
 
 
