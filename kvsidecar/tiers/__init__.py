@@ -1,7 +1,8 @@
 """The disk tier under --ssd-dir, the daemon's own: append-only segment files written behind every save, an index
-with a checksum per record, recovery that cuts a torn tail, reads straight into engine memory (engine, files,
-records, results); the store that puts it behind the DRAM one (tiered); the daemon's side of it: the directory's
-owner lock, recovery in the log and `status`, the tier gauges and hit counts (node, directory, holdings).
+with a checksum per record, reads straight into engine memory (engine, files, records, results), recovery that
+rebuilds the index and cuts a torn tail (recovery); the store that puts it behind the DRAM one (tiered); the daemon's
+side of it: the directory's owner lock, recovery in the log and `status`, the tier gauges and hit counts (node,
+directory, holdings).
 
 No listener: the daemon reads its own disk, so the fence admits nobody with a disk tier (docs/ssd-tier.md).
 

@@ -12,7 +12,7 @@
 - Prefetch: a lookup that finds values on disk alone hands their extents (adjacent values as one range) to the
   kernel's readahead (POSIX_FADV_WILLNEED) from a thread of its own, so the disk reads them while the lookup answers
   and the load that usually follows is asked for; that load then finds its bytes in memory or on the way.
-- Recovery replays each segment's index, cutting a torn or corrupted tail.
+- Recovery (recovery.py) replays each segment's index, cutting a torn or corrupted tail.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import xxhash
 
@@ -50,11 +49,10 @@ from kvsidecar.tiers.records import (
     MAX_KEY_BYTES,
     PUT,
     Record,
-    decode_raw,
     encode,
-    segment_numbers,
     value_checksum,
 )
+from kvsidecar.tiers.recovery import Entry, rebuild
 from kvsidecar.tiers.results import DiskStats, ReadResult, Recovery
 
 __all__ = ["DiskEngine"]
@@ -65,13 +63,6 @@ MiB = 1 << 20
 BATCH_BYTES = 16 * MiB  # one write (one pwritev, one fdatasync) at most, unless a single value is larger
 _BATCH_VALUES = 512  # and at most this many values (IOV_MAX is 1024)
 READ_DEPTH = 4  # reads in flight at once for one batch get
-
-
-class _Entry(NamedTuple):
-    file: int
-    offset: int
-    length: int
-    checksum: int
 
 
 @dataclass(slots=True)
@@ -108,7 +99,7 @@ class DiskEngine:
         self.stats = DiskStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._index: dict[str, _Entry] = {}
+        self._index: dict[str, Entry] = {}
         self._segments: OrderedDict[int, Segment] = OrderedDict()
         self._current: Segment | None = None
         self._queue: deque[_Pending] = deque()
@@ -200,7 +191,7 @@ class DiskEngine:
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[ReadResult]:
         """Read each key's value into its buffers, a few at once; OK only for exactly the value's bytes, verified."""
-        jobs: list[tuple[_Entry, Segment] | None] = []
+        jobs: list[tuple[Entry, Segment] | None] = []
         with self._lock:
             for key in keys:
                 entry = self._index.get(key)
@@ -442,7 +433,7 @@ class DiskEngine:
                 old = self._index.get(item.key)
                 if old is not None:
                     self.stats.bytes -= old.length
-                self._index[item.key] = _Entry(seg.number, record.offset, record.length, record.checksum)
+                self._index[item.key] = Entry(seg.number, record.offset, record.length, record.checksum)
                 seg.keys.add(item.key)
                 self.stats.bytes += record.length
                 self.stats.written_blocks += 1
@@ -513,7 +504,7 @@ class DiskEngine:
     # Reads, on the caller's thread or the read pool.
 
     def _read_one(
-        self, key: str, job: tuple[_Entry, Segment] | None, addresses: Sequence[int], sizes: Sequence[int]
+        self, key: str, job: tuple[Entry, Segment] | None, addresses: Sequence[int], sizes: Sequence[int]
     ) -> ReadResult:
         if job is None:
             return ReadResult.MISSING
@@ -548,49 +539,11 @@ class DiskEngine:
 
     def _recover(self) -> Recovery:
         began = time.monotonic()
-        cut = 0
-        for number in segment_numbers(self.directory):
-            path = self.directory / f"{number:08d}.seg"
-            idx = path.with_suffix(".idx")
-            try:
-                data = idx.read_bytes()
-                size = path.stat().st_size
-            except FileNotFoundError:
-                data, size = b"", 0
-            records, good = decode_raw(data)
-            if good < len(data):
-                cut += 1
-                log.warning("disk tier: cut %d bytes of torn index at the end of %s", len(data) - good, idx)
-                with open(idx, "r+b") as f:
-                    f.truncate(good)
-                    os.fsync(f.fileno())
-            seg = self._segments[number] = Segment(number, -1)
-            index, keys, stats = self._index, seg.keys, self.stats
-            for kind, key, offset, length, checksum in records:
-                if key in index:
-                    self._drop(key)
-                if kind == PUT and offset + length <= size:  # a truncated file keeps the values before the cut
-                    index[key] = tuple.__new__(_Entry, (number, offset, length, checksum))
-                    stats.bytes += length
-                    keys.add(key)
-        for number, seg in list(self._segments.items()):
-            if not seg.keys:
-                del self._segments[number]
-                for suffix in (".seg", ".idx"):
-                    (self.directory / f"{number:08d}{suffix}").unlink(missing_ok=True)
-            else:
-                seg.rfd = open_for_reads(self.directory / f"{number:08d}.seg")
+        found = rebuild(self.directory)
+        self._index, self._segments, self.stats.bytes = found.index, found.segments, found.bytes
         while len(self._segments) > self.max_files:  # a smaller --ssd-size than last time
             self._evict_oldest()
-        return Recovery(len(self._index), self.stats.bytes, len(self._segments), cut, time.monotonic() - began)
-
-    def _drop(self, key: str) -> None:
-        old = self._index.pop(key, None)
-        if old is not None:
-            self.stats.bytes -= old.length
-            seg = self._segments.get(old.file)
-            if seg is not None:
-                seg.keys.discard(key)
+        return Recovery(len(self._index), self.stats.bytes, len(self._segments), found.cut, time.monotonic() - began)
 
 
 def will_need(extents: list[tuple[Segment, int, int]]) -> None:
