@@ -74,8 +74,10 @@ class Call:
     @staticmethod
     def of_peer(peer: PeerCred | None, time_left: float | None) -> Call:
         """A call on a Unix connection whose peer the kernel proved (SO_PEERCRED); None: no credential."""
-        caller = Caller() if peer is None else Caller(uid=peer.uid, gids=peer.groups, transport="unix")
-        return Call(None if time_left is None else time.monotonic() + time_left, lambda: caller)
+        deadline = None if time_left is None else time.monotonic() + time_left
+        if peer is None:
+            return Call(deadline, Caller)
+        return Call(deadline, lambda: Caller(uid=peer.uid, gids=peer.groups, transport="unix"))
 
 
 class Handlers:

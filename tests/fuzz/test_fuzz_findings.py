@@ -18,6 +18,7 @@ import pytest
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.fuzzdaemon import FuzzDaemon
 from support.fuzzwire import Wire, check_clean
@@ -226,8 +227,10 @@ class SlowStore(MemoryStore):
         self.delay = 0.0
         self.health_delay = 0.0
         self.fail_register: Exception | None = None
+        self.registering = threading.Event()  # set once a registration is in the store
 
     def register_buffer(self, address: int, size: int) -> None:
+        self.registering.set()
         time.sleep(self.delay)
         if self.fail_register is not None:
             raise self.fail_register
@@ -289,12 +292,16 @@ def test_fuzz_finding_close_during_registration_leaks_the_mapping(slow):
         req = pb.RegisterMemoryRequest(session_id=sid, regions=[region(segment, geo, [0])])
         t = threading.Thread(target=lambda: result.setdefault("reg", wire.rpc("RegisterMemory", req)))
         t.start()
-        time.sleep(0.3)
+        assert store.registering.wait(30), "RegisterMemory never reached the store"
         assert wire.rpc("CloseSession", pb.CloseSessionRequest(session_id=sid)).ok
-        t.join(10)
+        t.join(30)
         store.delay = 0.0
-        time.sleep(0.2)
-        assert _mapped(daemon) == 0, f"{_mapped(daemon)} bytes still mapped for a closed session ({result['reg']})"
+        wait_until(
+            lambda: _mapped(daemon) == 0,
+            timeout=10,
+            what="the closed session's mapping released",
+            detail=lambda: f"{_mapped(daemon)} bytes still mapped for a closed session ({result.get('reg')})",
+        )
         assert maps_of_self(segment.name) == 1, "the closed session's segment is still mapped by the daemon"
     finally:
         wire.close()
@@ -332,7 +339,11 @@ def test_fuzz_finding_keepalive_does_not_stall_other_tenants(tmp_path):
         store.health_delay = 2.0
         t = threading.Thread(target=lambda: wire.rpc("KeepAlive", pb.KeepAliveRequest(session_id=a)))
         t.start()
-        time.sleep(0.2)
+        wait_until(
+            lambda: daemon.sample("kvsidecar_requests_total", {"method": "KeepAlive"}) >= 1,
+            timeout=30,
+            what="the daemon received the keep-alive",
+        )
         start = time.monotonic()
         out = wire.rpc("Lookup", pb.LookupRequest(session_id=b, block_hashes=H[:1], num_tokens=17))
         elapsed = time.monotonic() - start

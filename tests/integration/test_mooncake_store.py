@@ -255,6 +255,7 @@ def test_after_close_every_call_raises_unavailable_instead_of_crashing(
     key = f"{key_prefix}k"
     assert put(store, key, b"v" * 32, [32]) is StoreCode.OK
     outcomes: list[str] = []
+    hammering = threading.Event()
 
     def hammer() -> None:
         # Calls racing with close() must either finish normally or raise StoreUnavailable: never reach a closed client.
@@ -265,11 +266,12 @@ def test_after_close_every_call_raises_unavailable_instead_of_crashing(
             except StoreUnavailable:
                 outcomes.append("unavailable")
                 return
+            hammering.set()
         outcomes.append("never closed")
 
     racer = threading.Thread(target=hammer)
     racer.start()
-    time.sleep(0.05)
+    assert hammering.wait(CALL_BOUND_S), "no call answered before close"
     store.close()
     racer.join()
     assert outcomes == ["unavailable"]

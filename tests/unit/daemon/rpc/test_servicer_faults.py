@@ -8,6 +8,7 @@ import pytest
 
 from kvsidecar.store import StoreCode
 from kvsidecar.store.base import StoreUnavailable
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from support.inprocess import InProcessDaemon
 from support.rawrank import RawRank, group, open_request
@@ -69,7 +70,8 @@ def test_failed_puts_are_counted_and_named(daemon, store, rank):
     assert (during.written, during.skipped, during.failed, puts) == (0, 5, 3, [])
     # Lookups and loads do not back off.
     assert rank.lookup(H[:4], 65).hit_tokens == 0  # block 0 of attention is missing
-    time.sleep(0.3)
+    backoff = daemon.daemon.service.datapath.backoff
+    wait_until(lambda: not backoff.active(), timeout=30, what="the saves' backoff after a full store ended")
     # After the backoff a save writes what failed (existence check first, so nothing is written twice).
     again = rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)
     assert (again.written, again.skipped, again.failed) == (3, 5, 0)
@@ -146,7 +148,6 @@ def test_scheduler_lookup_without_memory(daemon, rank):
 
 
 def test_a_save_that_outlives_its_deadline_leaves_nothing_to_serve(daemon, store, rank):
-    import time
 
     import grpc
 
