@@ -12,6 +12,7 @@ from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.limits import MAX_GROUPS, MAX_NAME_CHARS
 from kvsidecar_contract.placement import Kind
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.state_wire import state_to_message
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
 
@@ -99,12 +100,15 @@ class EngineLayout:
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One KV-cache group: kind, tokens per physical block, window (sliding kinds), members (uniform)."""
+    """One KV-cache group: kind, tokens per physical block, window (sliding kinds), members (uniform), and for a
+    recurrent group the layout of one layer's state (docs/placement.md rule 12: with share_across_tp it is stored in
+    pieces every TP size reads; without a layout, per layout)."""
 
     kind: str
     block_size: int
     window: int = 0
     inner: tuple[str, ...] = field(default=())
+    state: placement.RecurrentState | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence for `inner` but store a tuple, so the spec stays hashable and immutable.
@@ -114,6 +118,8 @@ class GroupSpec:
             _contract(placement.kind_of, member, "member kind")
         _check_int("block_size", self.block_size)
         _check_int("window", self.window)
+        if self.state is not None and not isinstance(self.state, placement.RecurrentState):
+            raise InvalidRequest(f"state must be a RecurrentState, got {type(self.state).__name__}")
         self.to_placement()
 
     @property
@@ -124,7 +130,7 @@ class GroupSpec:
     def to_placement(self) -> placement.GroupSpec:
         """The contract's GroupSpec value, validated by the daemon's rules."""
         inner = tuple(Kind(kind) for kind in self.inner)
-        return _contract(placement.GroupSpec, Kind(self.kind), self.block_size, self.window, inner)
+        return _contract(placement.GroupSpec, Kind(self.kind), self.block_size, self.window, inner, self.state)
 
     def to_proto(self) -> pb.KVCacheGroup:
         """The contract's KVCacheGroup message."""
@@ -133,6 +139,7 @@ class GroupSpec:
             block_size=self.block_size,
             window=self.window,
             inner=[KINDS[kind] for kind in self.inner],
+            state=None if self.state is None else state_to_message(self.state),
         )
 
 
@@ -215,10 +222,15 @@ class SessionSpec:
         return self.share_across_tp
 
     def cuts(self) -> list[tuple[int, int]]:
-        """Per group, (values this rank stores per block, its KV heads): more than one value where a group is cut by
-        KV heads to be shared across TP sizes (rule 11)."""
+        """Per group, (values this rank stores per block, its KV heads) as its regions must declare them: more than
+        one value where a group is cut by KV heads to be shared across TP sizes (rule 11). A group whose recurrent
+        state is cut in pieces (rule 12) registers whole layers and declares no heads: the daemon cuts it from the
+        state layout the session sent, so it is (1, 1) here."""
         layout = self.to_placement()
-        return [(layout.values_per_block(g), layout.kv_heads_of_rank()) for g in range(len(layout.groups))]
+        return [
+            (1, 1) if spec.state is not None else (layout.values_per_block(g), layout.kv_heads_of_rank())
+            for g, spec in enumerate(layout.groups)
+        ]
 
     @property
     def is_scheduler(self) -> bool:

@@ -42,8 +42,9 @@ from kvsidecar_contract.limits import (
     MAX_MODEL_CHARS,
     MAX_NAME_CHARS,
 )
-from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, PackedHashes, Parallel
+from kvsidecar_contract.placement import Geometry, GroupSpec, InvalidLayout, Layout, PackedHashes, Parallel
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.state_wire import state_from_message
 
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
 ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
@@ -189,7 +190,13 @@ def _group(index: int, g: Any) -> GroupSpec:
         if k not in KIND_OF_PROTO:
             raise BadRequest(f"group {index}: member kinds must be set")
         inner.append(KIND_OF_PROTO[k])
-    return GroupSpec(KIND_OF_PROTO[g.kind], g.block_size, g.window, tuple(inner))
+    state = None
+    if g.HasField("state"):
+        try:
+            state = state_from_message(g.state)
+        except InvalidLayout as exc:
+            raise BadRequest(f"group {index}: its recurrent state layout: {exc}") from None
+    return GroupSpec(KIND_OF_PROTO[g.kind], g.block_size, g.window, tuple(inner), state)
 
 
 def regions(items: Sequence[Any]) -> list[RegionRequest]:
