@@ -11,6 +11,7 @@ from kvsidecar_contract import placement
 from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.limits import MAX_GROUPS, MAX_NAME_CHARS
 from kvsidecar_contract.placement import Kind
+from kvsidecar_contract.placement.layout import MAX_TP
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.state_wire import state_to_message
 
@@ -160,10 +161,10 @@ class SessionSpec:
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
     value_identity: str = ""
-    # Store the groups that allow it for every TP size (docs/placement.md rule 11): True cuts attention values per
-    # KV head (any TP size reads them), an int N as a TP=N engine holds its heads (fewer, larger values; every TP
-    # size that shares must divide N). Every session of an engine must agree; the KV heads of head-split groups'
-    # tensors must be the outermost dim of a block.
+    # Store the groups that allow it for every TP size (docs/placement.md rules 11, 12): True cuts attention values
+    # per KV head and described recurrent state per head and per B/C group (any TP size reads them), an int N as a
+    # TP=N engine holds its heads (fewer, larger values; every TP size that shares must divide N). Every session of
+    # an engine must agree; the KV heads of head-split groups' tensors must be the outermost dim of a block.
     share_across_tp: bool | int = False
 
     def __post_init__(self) -> None:
@@ -216,10 +217,15 @@ class SessionSpec:
 
     @property
     def share_tp_size(self) -> int:
-        """The wire's share_tp_size: 0 (per layout), the KV heads (True: one value per head), or the TP size given."""
-        if isinstance(self.share_across_tp, bool):
-            return self.num_kv_heads if self.share_across_tp else 0
-        return self.share_across_tp
+        """The wire's share_tp_size: 0 (per layout), the TP size given, or for True the least N that cuts every
+        shared value finest, one per index: the KV heads and every recurrent state axis (rules 11, 12). True never
+        depends on the engine's TP size, so every TP size sends the same N."""
+        if not isinstance(self.share_across_tp, bool):
+            return self.share_across_tp
+        if not self.share_across_tp:
+            return 0
+        axes = [a.size for g in self.groups if g.state is not None for a in g.state.axes]
+        return min(max([self.num_kv_heads, *axes]), MAX_TP)
 
     def cuts(self) -> list[tuple[int, int]]:
         """Per group, (values this rank stores per block, its KV heads) as its regions must declare them: more than
