@@ -8,8 +8,10 @@ complete (delayed free: vLLM's request_finished is told so), so nothing it store
 
 - Llama: a TP=1 producer fills a TP=2 consumer (each consumer rank loads its own KV head of values the one TP=1
   rank wrote).
-- The Mamba2 hybrid: its state is kept per TP size, so prefill and decode run the same TP size (TP=1 here): the
-  consumer loads the producer's attention blocks and Mamba states.
+- The Mamba2 hybrid (GraniteMoeHybrid, fp32 so that TP's reduction order cannot flip a token): at one TP size
+  (TP=1) and across TP sizes, a TP=1 producer filling a TP=2 consumer: the connector describes the Mamba state
+  (docs/placement.md rule 12), so each consumer rank loads its own heads' and the B/C group's pieces of the state
+  the one TP=1 rank wrote, besides its KV head of attention.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SHARE = {"share_across_tp": True}
 
 
-CASES = {"llama-gqa tp1->tp2": ("llama-gqa", 1, 2), "granitemoehybrid tp1->tp1": ("granitemoehybrid", 1, 1)}
+CASES = {
+    "llama-gqa tp1->tp2": ("llama-gqa", 1, 2),
+    "granitemoehybrid tp1->tp1": ("granitemoehybrid", 1, 1),
+    "granitemoehybrid tp1->tp2": ("granitemoehybrid", 1, 2),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
