@@ -142,10 +142,10 @@ class SessionSpec:
     hit_alignment_tokens: int = 0
     fine_grained_hits: bool | None = None
     value_identity: str = ""
-    # Store the groups that allow it for every TP size (docs/placement.md rule 11): True cuts attention values per
-    # KV head (any TP size reads them), an int N as a TP=N engine holds its heads (fewer, larger values; every TP
-    # size that shares must divide N). Every session of an engine must agree; the KV heads of head-split groups'
-    # tensors must be the outermost dim of a block.
+    # Store the groups that allow it for every TP size (docs/placement.md rules 11, 12): True cuts attention values
+    # per KV head and described recurrent state per head and per B/C group (any TP size reads them), an int N as a
+    # TP=N engine holds its heads (fewer, larger values; every TP size that shares must divide N). Every session of
+    # an engine must agree; the KV heads of head-split groups' tensors must be the outermost dim of a block.
     share_across_tp: bool | int = False
 
     def __post_init__(self) -> None:
@@ -194,14 +194,20 @@ class SessionSpec:
 
     @property
     def share_tp_size(self) -> int:
-        """The wire's share_tp_size: 0 (per layout), the KV heads (True: one value per head), or the TP size given."""
-        return placement.share_tp_size_of(self.share_across_tp, self.num_kv_heads)
+        """The wire's share_tp_size (rules 11, 12): 0 (per layout), the TP size given, or for True the least N that
+        cuts every shared value finest: the KV heads and every recurrent state axis, the same at every TP size."""
+        return placement.share_tp_size_of(self.share_across_tp, self.num_kv_heads, self.groups)
 
     def cuts(self) -> list[tuple[int, int]]:
-        """Per group, (values this rank stores per block, its KV heads): more than one value where a group is cut by
-        KV heads to be shared across TP sizes (rule 11)."""
+        """Per group, (values this rank stores per block, its KV heads) as its regions must declare them: more than
+        one value where a group is cut by KV heads to be shared across TP sizes (rule 11). A group whose recurrent
+        state is cut in pieces (rule 12) registers whole layers and declares no heads: the daemon cuts it from the
+        state layout the session sent, so it is (1, 1) here."""
         layout = self.to_placement()
-        return [(layout.values_per_block(g), layout.kv_heads_of_rank()) for g in range(len(layout.groups))]
+        return [
+            (1, 1) if spec.state is not None else (layout.values_per_block(g), layout.kv_heads_of_rank())
+            for g, spec in enumerate(layout.groups)
+        ]
 
     @property
     def is_scheduler(self) -> bool:

@@ -12,6 +12,7 @@ from kvsidecar_contract.limits import MAX_GROUPS, MAX_MODEL_CHARS, MAX_NAME_CHAR
 from kvsidecar_contract.placement.errors import InvalidLayout
 from kvsidecar_contract.placement.layout import GroupSpec, Layout, Parallel
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_contract.state_wire import state_from_message, state_to_message
 
 __all__ = [
     "from_message",
@@ -25,14 +26,12 @@ __all__ = [
 
 def group_to_message(group: GroupSpec) -> pb.KVCacheGroup:
     """One KV-cache group as the wire carries it."""
-    if group.state is not None:
-        # Sending the group without it would open a session whose keys the client did not plan: refuse instead.
-        raise InvalidLayout(f"{group.describe()}: this wire version carries no state layout")
     return pb.KVCacheGroup(
         kind=PROTO_OF_KIND[group.kind],
         block_size=group.block_size,
         window=group.window,
         inner=[PROTO_OF_KIND[kind] for kind in group.inner],
+        state=None if group.state is None else state_to_message(group.state),
     )
 
 
@@ -43,7 +42,13 @@ def group_from_message(index: int, message: pb.KVCacheGroup) -> GroupSpec:
     if any(kind not in KIND_OF_PROTO for kind in message.inner):
         raise InvalidLayout(f"group {index}: member kinds must be set")
     inner = tuple(KIND_OF_PROTO[kind] for kind in message.inner)
-    return GroupSpec(KIND_OF_PROTO[message.kind], message.block_size, message.window, inner)
+    state = None
+    if message.HasField("state"):
+        try:
+            state = state_from_message(message.state)
+        except InvalidLayout as exc:
+            raise InvalidLayout(f"group {index}: its recurrent state layout: {exc}") from None
+    return GroupSpec(KIND_OF_PROTO[message.kind], message.block_size, message.window, inner, state)
 
 
 def parallel_to_message(parallel: Parallel, *, derive_dcp_rank: bool = False) -> pb.ParallelLayout:

@@ -195,7 +195,36 @@ def _m_group_count(draw, r):
         r.groups.extend([r.groups[0]] * draw(st.sampled_from((60, 61, 64))))
 
 
+small = st.one_of(st.integers(0, 9), st.sampled_from((16, 64, 1 << 16, (1 << 16) + 1, 1 << 24)), u32)
+
+
+def _m_state(draw, r):
+    # A recurrent state layout (rule 12) on any group, of any sizes: the core refuses what it cannot cut or describe.
+    if not r.groups:
+        return
+    g = r.groups[draw(st.integers(0, len(r.groups) - 1))]
+    axes = draw(st.lists(st.tuples(st.text(max_size=8), small, st.booleans()), max_size=10))
+    tensors = draw(
+        st.lists(
+            st.tuples(small, small, st.lists(st.tuples(small, small), max_size=18), small),
+            max_size=18 if draw(st.booleans()) else 3,
+        )
+    )
+    g.state.CopyFrom(
+        pb.RecurrentState(
+            axes=[pb.StateAxis(name=n, size=z, repeat=rep) for n, z, rep in axes],
+            tensors=[
+                pb.StateTensor(
+                    item_bytes=i, outer=o, segments=[pb.StateSegment(axis=a, width=w) for a, w in segs], inner=n
+                )
+                for i, o, segs, n in tensors
+            ],
+        )
+    )
+
+
 OPEN_MUTATIONS = (
+    _m_state,
     _m_model,
     _m_prefix,
     _m_size,

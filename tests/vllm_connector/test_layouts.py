@@ -11,8 +11,11 @@ CUDA IPC (scripts/gpu/20-layouts.sh).
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -34,6 +37,7 @@ from vllm_alloc import allocate, plan
 
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_client.memory import dense_pieces
+from kvsidecar_client.results import SessionInfo
 from kvsidecar_client.vllm import KVSidecarConnector
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
 from kvsidecar_client.vllm.specs import engine_groups
@@ -54,6 +58,34 @@ MLA = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=24, dtype=F16
 SLIDING = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=F16, sliding_window=32)
 MAMBA = MambaSpec(block_size=BLOCK, shapes=((3, 8), (2, 4, 4)), dtypes=(F16, F16), mamba_cache_mode="align")
 
+# A tiny GraniteMoeHybrid (Mamba2: 4 heads, one B/C group) whose state vLLM's own model code sizes: with
+# share_across_tp the connector describes it (placement rule 12) and the daemon cuts it into 5 pieces.
+GRANITE = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 16,
+    "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "layer_types": ["mamba", "attention"], "mamba_expand": 1, "mamba_n_heads": 4, "mamba_d_head": 4,
+    "mamba_n_groups": 1, "mamba_d_state": 4, "mamba_d_conv": 4, "vocab_size": 1000, "max_position_embeddings": 4096,
+    "torch_dtype": "float16",
+}  # fmt: skip
+
+
+def _granite_mamba() -> MambaSpec:
+    from transformers import GraniteMoeHybridConfig
+    from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+
+    hf = GraniteMoeHybridConfig(**{k: v for k, v in GRANITE.items() if k not in ("architectures", "model_type")})
+    cache = SimpleNamespace(mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", use_replayssm=False)
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), cache_config=cache, num_speculative_tokens=0,
+        model_config=SimpleNamespace(hf_config=hf, hf_text_config=hf, dtype=F16),
+    )  # fmt: skip
+    shapes = GraniteMoeHybridForCausalLM.get_mamba_state_shape_from_config(config)
+    dtypes = GraniteMoeHybridForCausalLM.get_mamba_state_dtype_from_config(config)
+    return MambaSpec(block_size=BLOCK, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align")
+
+
+GRANITE_MAMBA = _granite_mamba()
+
 CONFIGS: dict[str, dict[str, KVCacheSpec]] = {
     "full-h1": {"l0": full(1), "l1": full(1)},
     "full-h2": {"l0": full(2), "l1": full(2)},
@@ -62,6 +94,7 @@ CONFIGS: dict[str, dict[str, KVCacheSpec]] = {
     "sliding-h2": {"l0": SLIDING, "l1": SLIDING},
     "mamba": {"l0": MAMBA, "l1": MAMBA},
     "full-h2+mamba": {"a0": full(2), "a1": full(2), "m0": MAMBA, "m1": MAMBA},
+    "full-h2+granite": {"a0": full(2), "a1": full(2), "m0": GRANITE_MAMBA, "m1": GRANITE_MAMBA},
     "full-h8+sliding-h8": {
         "a0": full(8),
         "s0": SlidingWindowSpec(block_size=BLOCK, num_kv_heads=8, head_size=8, dtype=F16, sliding_window=32),
@@ -120,9 +153,30 @@ def test_sharing_across_tp_sizes_cuts_head_major_layouts_and_refuses_the_others(
         round_trip(tiny_model, daemon, cache_prefix, name, layout, share=True)
 
 
-def round_trip(tiny_model, daemon, cache_prefix, name, layout, *, share: bool = False) -> None:
+@pytest.fixture(scope="module")
+def granite_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GraniteMoeHybrid model directory with only its config.json."""
+    path = tmp_path_factory.mktemp("models") / "tiny-granite"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(GRANITE))
+    return path
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_MAJOR))
+def test_a_hybrids_state_shared_across_tp_sizes_is_cut_in_pieces_and_round_trips_byte_for_byte(
+    vllm_env, granite_model, daemon, cache_prefix, layout
+):
+    # vLLM's own pages of a Mamba2 state (padded to the attention page), described by the connector from the model's
+    # config (rule 12): the daemon accepts the regions and moves the state as its pieces, byte for byte.
+    info = round_trip(granite_model, daemon, cache_prefix, "full-h2+granite", KVCacheLayout[layout], share=True)
+    attention, state = info.groups
+    assert (attention.shared_across_tp, attention.values_per_block) == (True, 2)
+    assert (state.shared_across_tp, state.values_per_block) == (True, 5)  # 4 heads and the one B/C group
+
+
+def round_trip(tiny_model, daemon, cache_prefix, name, layout, *, share: bool = False) -> SessionInfo:
     """Save four blocks of vLLM's own caches for `layout`, load them into other blocks: byte for byte, nothing else
-    touched."""
+    touched. Returns the worker's session placement."""
     specs = CONFIGS[name]
     recurrent = any(isinstance(s, MambaSpec) for s in specs.values())
     extra = {"socket": daemon.target, "cache_prefix": cache_prefix, "share_across_tp": share}
@@ -183,6 +237,9 @@ def round_trip(tiny_model, daemon, cache_prefix, name, layout, *, share: bool = 
         # Nothing outside the target blocks' registered bytes moved: not padding, not another layer or block.
         moved = ((backing != before) & ~written).nonzero().flatten()
         assert moved.numel() == 0, f"bytes outside the target blocks changed: {moved[:8].tolist()} of {moved.numel()}"
+        info = worker.client.session_info
+        assert info is not None
+        return info
     finally:
         worker.shutdown()
         scheduler.shutdown()

@@ -6,6 +6,7 @@ warm outputs would prove little. Per-architecture caveats of vLLM CPU are in sha
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,7 +120,14 @@ QWEN3_NEXT = TinyModel(
     recurrent=True,
 )
 
-MODELS = {m.name: m for m in (LLAMA, GRANITE_HYBRID, QWEN3_NEXT)}
+# The same with two k heads and two v heads, so that TP=2 can shard its gated delta net (vLLM needs T to divide both).
+QWEN3_NEXT_K2 = dataclasses.replace(
+    QWEN3_NEXT,
+    name="qwen3-next-k2",
+    config={**QWEN3_NEXT.config, "linear_num_key_heads": 2, "linear_num_value_heads": 2},
+)
+
+MODELS = {m.name: m for m in (LLAMA, GRANITE_HYBRID, QWEN3_NEXT, QWEN3_NEXT_K2)}
 
 
 def prompts(model: TinyModel) -> list[list[int]]:

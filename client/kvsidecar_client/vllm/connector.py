@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,6 +32,7 @@ from kvsidecar_client.vllm.plan import shape_of
 from kvsidecar_client.vllm.scheduler import SchedulerSide
 from kvsidecar_client.vllm.settings import DEFAULT_WAIT_SLACK, ConnectorSettings
 from kvsidecar_client.vllm.specs import (
+    StateOf,
     engine_groups,
     hash_block_size,
     hash_bytes,
@@ -38,6 +40,7 @@ from kvsidecar_client.vllm.specs import (
     layout_of_this_rank,
     parallel_layout,
 )
+from kvsidecar_client.vllm.states import describe_state
 from kvsidecar_client.vllm.stats import KVSidecarPromMetrics, KVSidecarStats
 from kvsidecar_client.vllm.worker import WorkerSide
 
@@ -56,12 +59,18 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
-        groups = engine_groups(kv_cache_config)
+        parallel = vllm_config.parallel_config
+        model_config = vllm_config.model_config
+        # Rule 12: where values are shared across TP sizes, each recurrent group's state is described (and checked
+        # against vLLM's own MambaSpec) so the daemon can store it in pieces every TP size reads.
+        state_of: StateOf | None = None
+        if settings.share_across_tp is not False:
+            text_config = model_config.hf_text_config
+            state_of = partial(describe_state, hf_config=text_config, tp_size=int(parallel.tensor_parallel_size))
+        groups = engine_groups(kv_cache_config, state_of)
         unit = hash_block_size(kv_cache_config, vllm_config)
         alignment, fine_grained = hit_alignment(kv_cache_config, vllm_config)
-        model_config = vllm_config.model_config
         scheduler = role == KVConnectorRole.SCHEDULER
-        parallel = vllm_config.parallel_config
         identity = value_identity(vllm_config, kv_cache_config, pinned=settings.model_identity or None)
         log.info("kvsidecar value identity %s (docs/values.md)", identity)
         client = SidecarClient.connect(

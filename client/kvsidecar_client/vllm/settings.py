@@ -29,11 +29,12 @@ class ConnectorSettings:
     model_identity: stands for the model's fingerprint (config and weights sample) in the value identity, for
         deployments an operator vouches run the same model from checkpoints that sample differently (docs/values.md).
     timeouts: per-call deadlines in seconds, any of connect, register, save, lookup, load, control.
-    share_across_tp: store attention and MLA values for every TP size, so deployments of other TP sizes (a TP=4 and
-        a TP=8 fleet, a wide prefill and a narrow decode) read each other's prompts (docs/placement.md rule 11):
-        true cuts attention values per KV head (any TP size), an int N as a TP=N engine holds its heads (fewer,
-        larger values; every TP size that shares must divide N). Every deployment that shares sets the same; Mamba
-        state stays per layout.
+    share_across_tp: store attention, MLA and recurrent values for every TP size, so deployments of other TP sizes
+        (a TP=4 and a TP=8 fleet, a wide prefill and a narrow decode) read each other's prompts (docs/placement.md
+        rules 11, 12): true cuts attention values per KV head and a hybrid's recurrent state per head and B/C group
+        (any TP size), an int N as a TP=N engine holds them (fewer, larger values; every TP size that shares must
+        divide N). Every deployment that shares sets the same. Recurrent state is described from the model's config
+        and checked against vLLM's MambaSpec (vllm/states.py); a model it cannot describe keeps it per layout.
     """
 
     socket: str = field(default_factory=default_target)

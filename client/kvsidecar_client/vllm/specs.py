@@ -6,7 +6,7 @@ Pure: vLLM config objects in, kvsidecar value types out; no I/O, no daemon. The 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +23,11 @@ from vllm.v1.kv_cache_interface import (
 
 from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_client.layout import EngineLayout, GroupSpec
+from kvsidecar_contract.placement import RecurrentState
 
 __all__ = [
     "EngineGroups",
+    "StateOf",
     "UnsupportedSpec",
     "engine_groups",
     "group_spec",
@@ -36,6 +38,10 @@ __all__ = [
     "parallel_layout",
     "spec_kind",
 ]
+
+
+# One MambaSpec's state layout (rule 12), or None: kept per layout.
+StateOf = Callable[[MambaSpec], RecurrentState | None]
 
 
 class UnsupportedSpec(InvalidRequest):
@@ -74,8 +80,14 @@ def spec_kind(spec: KVCacheSpec) -> tuple[str, int]:
     raise UnsupportedSpec(f"kvsidecar cannot store a KV-cache group of {type(spec).__name__}")
 
 
-def group_spec(spec: KVCacheSpec) -> GroupSpec:
-    """The session's GroupSpec for one vLLM group spec; a uniform group is unwrapped one level."""
+def group_spec(spec: KVCacheSpec, state_of: StateOf | None = None) -> GroupSpec:
+    """The session's GroupSpec for one vLLM group spec; a uniform group is unwrapped one level.
+
+    state_of describes a MambaSpec group's state layout (rule 12: `states.describe_state`), where the session shares
+    values across TP sizes; without it, or where it answers None, the state is opaque and kept per layout.
+    """
+    if isinstance(spec, MambaSpec) and state_of is not None:
+        return GroupSpec("mamba", spec.block_size, state=state_of(spec))
     if isinstance(spec, UniformTypeKVCacheSpecs):
         members = [spec_kind(inner) for inner in spec.kv_cache_specs.values()]
         if not members:
@@ -89,7 +101,7 @@ def group_spec(spec: KVCacheSpec) -> GroupSpec:
     return GroupSpec(kind, spec.block_size, window)
 
 
-def engine_groups(kv_cache_config: KVCacheConfig) -> EngineGroups:
+def engine_groups(kv_cache_config: KVCacheConfig, state_of: StateOf | None = None) -> EngineGroups:
     """The groups a hash-addressed store holds, in vLLM's order: those vLLM transfers and prefix-caches.
 
     vLLM restores the others itself (get_loaded_kv_cache_group_ids defaults to prefix_cacheable_group_ids):
@@ -105,7 +117,7 @@ def engine_groups(kv_cache_config: KVCacheConfig) -> EngineGroups:
             continue
         if not getattr(group.kv_cache_spec, "prefix_cacheable", True):
             continue
-        specs.append(group_spec(group.kv_cache_spec))
+        specs.append(group_spec(group.kv_cache_spec, state_of))
         ids.append(gid)
     if not specs:
         raise UnsupportedSpec("the model has no prefix-cacheable KV-cache group for kvsidecar to store")

@@ -245,13 +245,18 @@ def check_share_across_tp(share_across_tp: object) -> bool | int:
     return share_across_tp
 
 
-def share_tp_size_of(share_across_tp: bool | int, num_kv_heads: int) -> int:
-    """Rule 11: the Layout's share_tp_size of an engine's `share_across_tp`: 0 (false: per layout), one value per
-    KV head (true), or values cut as a TP=N engine holds its heads (N)."""
+def share_tp_size_of(share_across_tp: bool | int, num_kv_heads: int, groups: Sequence[GroupSpec] = ()) -> int:
+    """Rules 11 and 12: the Layout's share_tp_size of an engine's `share_across_tp`: 0 (false: per layout), an int N
+    as given (values cut as a TP=N engine holds them), or for true the least N that cuts every shared value finest,
+    one per index: the KV heads and every recurrent state axis of `groups` (capped at MAX_TP). True never depends on
+    the engine's TP size, so every TP size sends the same N."""
     share = check_share_across_tp(share_across_tp)
-    if isinstance(share, bool):
-        return num_kv_heads if share else 0
-    return share
+    if not isinstance(share, bool):
+        return share
+    if not share:
+        return 0
+    axes = [axis.size for group in groups if group.state is not None for axis in group.state.axes]
+    return min(max([num_kv_heads, *axes]), MAX_TP)
 
 
 @dataclass(frozen=True, slots=True)

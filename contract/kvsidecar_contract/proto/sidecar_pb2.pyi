@@ -63,17 +63,57 @@ class ParallelLayout(_message.Message):
     dcp_rank: int
     def __init__(self, tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pcp_size: _Optional[int] = ..., pcp_rank: _Optional[int] = ..., dcp_size: _Optional[int] = ..., dcp_rank: _Optional[int] = ...) -> None: ...
 
+class RecurrentState(_message.Message):
+    __slots__ = ("axes", "tensors")
+    AXES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    axes: _containers.RepeatedCompositeFieldContainer[StateAxis]
+    tensors: _containers.RepeatedCompositeFieldContainer[StateTensor]
+    def __init__(self, axes: _Optional[_Iterable[_Union[StateAxis, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[StateTensor, _Mapping]]] = ...) -> None: ...
+
+class StateAxis(_message.Message):
+    __slots__ = ("name", "size", "repeat")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    repeat: bool
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., repeat: _Optional[bool] = ...) -> None: ...
+
+class StateTensor(_message.Message):
+    __slots__ = ("item_bytes", "outer", "segments", "inner")
+    ITEM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    INNER_FIELD_NUMBER: _ClassVar[int]
+    item_bytes: int
+    outer: int
+    segments: _containers.RepeatedCompositeFieldContainer[StateSegment]
+    inner: int
+    def __init__(self, item_bytes: _Optional[int] = ..., outer: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[StateSegment, _Mapping]]] = ..., inner: _Optional[int] = ...) -> None: ...
+
+class StateSegment(_message.Message):
+    __slots__ = ("axis", "width")
+    AXIS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    axis: int
+    width: int
+    def __init__(self, axis: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+
 class KVCacheGroup(_message.Message):
-    __slots__ = ("kind", "block_size", "window", "inner")
+    __slots__ = ("kind", "block_size", "window", "inner", "state")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     INNER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     kind: GroupKind
     block_size: int
     window: int
     inner: _containers.RepeatedScalarFieldContainer[GroupKind]
-    def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., block_size: _Optional[int] = ..., window: _Optional[int] = ..., inner: _Optional[_Iterable[_Union[GroupKind, str]]] = ...) -> None: ...
+    state: RecurrentState
+    def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., block_size: _Optional[int] = ..., window: _Optional[int] = ..., inner: _Optional[_Iterable[_Union[GroupKind, str]]] = ..., state: _Optional[_Union[RecurrentState, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("engine", "parallel", "num_kv_heads", "hash_block_size", "groups", "hash_bytes", "role", "client_name", "hit_alignment_tokens", "fine_grained_hits", "share_tp_size")

@@ -182,3 +182,24 @@ def test_group_kinds_are_the_contracts_under_their_proto_names():
     assert {KINDS[k.value]: k.name for k in Kind} == {
         v.number: v.name for v in pb.GroupKind.DESCRIPTOR.values if v.number != pb.GROUP_KIND_UNSPECIFIED
     }
+
+
+def test_a_recurrent_groups_state_layout_goes_to_the_daemon_and_its_regions_declare_no_heads():
+    from kvsidecar_contract.placement import mamba2_state
+    from kvsidecar_contract.state_wire import state_from_message
+
+    state = mamba2_state(num_heads=8, head_dim=4, n_groups=1, state_size=16, conv_kernel=4, conv_bytes=2, ssm_bytes=4)
+    groups = [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, state=state)]
+    spec = SessionSpec("org/M", EngineLayout(tp_size=2, tp_rank=1), 8, 16, groups, share_across_tp=True)
+    message = spec.to_proto()
+    assert not message.groups[0].HasField("state")
+    assert state_from_message(message.groups[1].state) == state
+    # Attention is cut by KV head (rule 11); the state is cut by the daemon from its layout (rule 12): whole layers.
+    assert spec.cuts() == [(4, 4), (1, 1)]
+    assert spec.to_placement().values_per_block(1) == 5  # heads 4-7 and the one group
+    with pytest.raises(InvalidRequest, match="state must be a RecurrentState, got dict"):
+        GroupSpec("mamba", 16, state={"heads": 8})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="only a group whose members are all recurrent has one"):
+        GroupSpec("full_attention", 16, state=state)
+    with pytest.raises(InvalidRequest, match="state axis heads of 8 cannot be sharded over 16 TP ranks"):
+        SessionSpec("org/M", EngineLayout(tp_size=16), 16, 16, groups, share_across_tp=True)
