@@ -84,6 +84,8 @@ class GroupSpec:
             raise InvalidLayout(f"{self.describe()}: a sliding-window group needs window >= 1")
         if not has_sliding and self.window:
             raise InvalidLayout(f"{self.describe()}: window is only for sliding-window kinds")
+        if self.state is not None and not isinstance(self.state, RecurrentState):
+            raise InvalidLayout(f"state must be a RecurrentState, got {type(self.state).__name__}")
         if self.state is not None and not all(k.recurrent for k in self.members):
             raise InvalidLayout(
                 f"{self.describe()}: a state layout describes recurrent state; only a group whose members are all "

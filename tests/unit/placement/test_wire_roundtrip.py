@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
@@ -31,8 +30,6 @@ from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SIMPLE = [Kind.FULL_ATTENTION, Kind.SLIDING_WINDOW, Kind.MLA, Kind.SLIDING_WINDOW_MLA, Kind.MAMBA]
-# The state layout travels once the proto's KVCacheGroup has a field for it; until then a group with one is refused.
-WIRE_HAS_STATE = "state" in pb.KVCacheGroup.DESCRIPTOR.fields_by_name
 
 
 def states() -> st.SearchStrategy[RecurrentState]:
@@ -76,7 +73,7 @@ def groups(draw: st.DrawFn, u: int, with_state: bool) -> GroupSpec:
 
 
 @st.composite
-def layouts(draw: st.DrawFn, with_state: bool = WIRE_HAS_STATE) -> Layout:
+def layouts(draw: st.DrawFn, with_state: bool = True) -> Layout:
     t = draw(st.sampled_from([1, 2, 4, 8]))
     c = draw(st.sampled_from([1, 2]))
     d = draw(st.sampled_from([x for x in (1, 2, 4) if t % x == 0] if c == 1 else sorted({1, c, t * c})))
@@ -156,19 +153,6 @@ def test_the_clients_session_sends_the_contracts_message(layout: Layout) -> None
 
 def vars_of(spec: SessionSpec) -> dict[str, object]:
     return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-
-
-@pytest.mark.skipif(WIRE_HAS_STATE, reason="the wire carries a group's state layout")
-def test_a_state_layout_the_wire_cannot_carry_is_refused_not_dropped() -> None:
-    group = GroupSpec(
-        Kind.MAMBA,
-        16,
-        state=mamba2_state(
-            num_heads=8, head_dim=16, n_groups=1, state_size=16, conv_kernel=4, conv_bytes=2, ssm_bytes=2
-        ),
-    )
-    with pytest.raises(InvalidLayout, match="carries no state layout"):
-        to_message(Layout("org/Model", (group,)))
 
 
 def test_the_clients_values_are_the_contracts() -> None:

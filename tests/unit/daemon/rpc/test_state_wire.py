@@ -11,7 +11,6 @@ import grpc
 import pytest
 
 from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.errors import BadRequest
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.servicer import SidecarService
@@ -138,7 +137,7 @@ def test_a_state_on_an_attention_group_is_refused_with_the_reason():
 
 def test_an_oversized_state_message_is_refused_before_anything_is_built():
     message = pb.RecurrentState(axes=[pb.StateAxis(name="a", size=1)] * 1000)
-    with pytest.raises(BadRequest, match="at most 8 axes and 16 tensors, got 1000 and 0"):
+    with pytest.raises(InvalidLayout, match="at most 8 axes and 16 tensors, got 1000 and 0"):
         wire.open_request(hybrid(message))
 
 
