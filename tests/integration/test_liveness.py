@@ -1,0 +1,132 @@
+"""A session lives exactly as long as its process: real daemon, real rank processes, stopped and killed for real.
+
+A client holds one liveness connection per session on the daemon's data socket. A rank too busy to send its
+KeepAlives (here: SIGSTOPped, which no thread of it survives) keeps its session past the lease, while a rank of
+the same kind without that connection (gRPC only) loses its own; a rank killed -9 has its session released at
+once, long before any lease, even when a child it forked still holds a copy of its descriptors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from kvsidecar.testing.processes import Daemon
+from kvsidecar.testing.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+# argv: target, client name, "data" or "grpc", "fork" or "". Prints "registered", then on each line of stdin saves
+# and looks up one block on the same session and prints the session id, the hit and the re-opens it saw.
+RANK = textwrap.dedent(
+    """
+    import logging, os, sys, time, torch
+    from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
+    reopened = []
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "session lost" in record.getMessage():
+                reopened.append(record.getMessage())
+    logging.getLogger("kvsidecar_client").addHandler(Seen())
+    target, name, path, fork = sys.argv[1:5]
+    client = SidecarClient.connect(target, model="org/Liveness", layout=EngineLayout(), num_kv_heads=1,
+                                   hash_block_size=16, groups=[GroupSpec("mla", block_size=16)], client_name=name,
+                                   data_socket=path == "data")
+    kv = shared_tensor((8, 16, 16), torch.float32)
+    client.register([kv], groups_of_tensor=[(0,)])
+    if fork == "fork" and os.fork() == 0:  # a child that outlives its parent, with copies of its descriptors
+        time.sleep(600)
+        os._exit(0)
+    first = client._keeper.session.id
+    print("registered", flush=True)
+    for n, _ in enumerate(sys.stdin):
+        h = [bytes([n + 1]) * 32]
+        kv.fill_(float(n))
+        client.save(h, [[0]], 16).result(timeout=60)
+        hit = client.lookup(h, 17).hit_tokens
+        print(client._keeper.session.id == first, hit, len(reopened), flush=True)
+    """
+)
+
+
+def rank_sessions(daemon: Daemon) -> float:
+    body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith('kvsidecar_sessions{role="rank"}')
+    )
+
+
+@contextlib.contextmanager
+def rank(daemon: Daemon, name: str, path: str = "data", fork: str = "") -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RANK, daemon.target, name, path, fork],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "registered", daemon.log()[-2000:]
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)  # the rank and any child it forked
+        proc.wait(30)
+
+
+def ask(proc: subprocess.Popen[str]) -> list[str]:
+    """One save and lookup on the rank: [same session as at start, hit tokens, re-opens seen]."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().split()
+
+
+def test_a_stopped_rank_keeps_its_session_past_the_lease_where_one_without_liveness_loses_it(mooncake_master, tmp_path):
+    daemon = Daemon(tmp_path, master=mooncake_master.address, session_ttl=2).start()
+    try:
+        with rank(daemon, "busy") as busy, rank(daemon, "grpc-only", path="grpc") as lease_only:
+            assert ask(busy) == ["True", "16", "0"]
+            assert rank_sessions(daemon) == 2
+            # Neither can send a KeepAlive now: all their threads are stopped, as a starved process's would be.
+            os.kill(busy.pid, signal.SIGSTOP)
+            os.kill(lease_only.pid, signal.SIGSTOP)
+            wait_until(
+                lambda: "(rank, grpc-only) expired" in daemon.log(), timeout=30,
+                what="the lease-only rank's session expired (lease 2 s, swept every second)",
+            )  # fmt: skip
+            assert rank_sessions(daemon) == 1  # the stopped rank with its liveness connection kept its session
+            assert "(rank, busy)" not in daemon.log()
+            os.kill(busy.pid, signal.SIGCONT)
+            # Same session, its memory still registered: the save and the lookup need no re-open.
+            assert ask(busy) == ["True", "16", "0"]
+            os.kill(lease_only.pid, signal.SIGCONT)
+            same, hit, reopened = ask(lease_only)  # the lease-only rank re-opens, as before (back-compat)
+            assert (same, hit, reopened) == ("False", "16", "1")
+    finally:
+        assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize("fork", ["", "fork"], ids=["alone", "with-a-forked-child"])
+def test_a_killed_rank_is_released_at_once_not_a_lease_later(mooncake_master, tmp_path, fork):
+    daemon = Daemon(tmp_path, master=mooncake_master.address, session_ttl=600).start()
+    try:
+        with rank(daemon, "doomed", fork=fork) as doomed:
+            assert rank_sessions(daemon) == 1
+            os.kill(doomed.pid, signal.SIGKILL)  # the rank alone; a forked child lives on with its copies
+            doomed.wait(30)
+            wait_until(
+                lambda: rank_sessions(daemon) == 0, timeout=30, what="the killed rank's session released",
+                detail=lambda: daemon.log()[-2000:],
+            )  # fmt: skip
+            assert "(rank, doomed) its process closed its liveness connection" in daemon.log()
+    finally:
+        assert daemon.stop() == 0
