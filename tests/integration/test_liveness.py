@@ -1,7 +1,7 @@
 """A session lives exactly as long as its process: real daemon, real rank processes, stopped and killed for real.
 
 A client holds one liveness connection per session on the daemon's data socket. A rank too busy to send its
-KeepAlives (here: SIGSTOPped, which no thread of it survives) keeps its session past the lease, while a rank of
+KeepAlives (here: SIGSTOPped, or with the GIL held by one thread) keeps its session past the lease, while a rank of
 the same kind without that connection (gRPC only) loses its own; a rank killed -9 has its session released at
 once, long before any lease, even when a child it forked still holds a copy of its descriptors.
 """
@@ -24,11 +24,13 @@ from kvsidecar.testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-# argv: target, client name, "data" or "grpc", "fork" or "". Prints "registered", then on each line of stdin saves
-# and looks up one block on the same session and prints the session id, the hit and the re-opens it saw.
+# argv: target, client name, "data" or "grpc", "fork" or "". Prints "registered", then on each empty line of stdin
+# saves and looks up one block and prints whether the session is the first one, the hit and the re-opens it saw. On
+# "hold" it blocks in read(2) on stdin WITH the GIL held (ctypes.PyDLL keeps it), until one more byte comes: no
+# other thread of it runs Python meanwhile, its keep-alive thread included (an engine starved of the GIL).
 RANK = textwrap.dedent(
     """
-    import logging, os, sys, time, torch
+    import ctypes, logging, os, sys, time, torch
     from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
     reopened = []
     class Seen(logging.Handler):
@@ -47,8 +49,13 @@ RANK = textwrap.dedent(
         os._exit(0)
     first = client._keeper.session.id
     print("registered", flush=True)
-    for n, _ in enumerate(sys.stdin):
-        h = [bytes([n + 1]) * 32]
+    n = 0
+    while line := sys.stdin.readline():
+        if line == "hold\\n":
+            ctypes.PyDLL(None).read(0, ctypes.create_string_buffer(1), 1)
+            continue
+        n += 1
+        h = [bytes([n]) * 32]
         kv.fill_(float(n))
         client.save(h, [[0]], 16).result(timeout=60)
         hit = client.lookup(h, 17).hit_tokens
@@ -90,25 +97,47 @@ def ask(proc: subprocess.Popen[str]) -> list[str]:
     return proc.stdout.readline().split()
 
 
-def test_a_stopped_rank_keeps_its_session_past_the_lease_where_one_without_liveness_loses_it(mooncake_master, tmp_path):
+def stall(proc: subprocess.Popen[str], how: str) -> None:
+    """Stop the rank's Python: the whole process (SIGSTOP), or every thread but one (the GIL held)."""
+    if how == "sigstop":
+        os.kill(proc.pid, signal.SIGSTOP)
+    else:
+        assert proc.stdin is not None
+        proc.stdin.write("hold\n")
+        proc.stdin.flush()
+
+
+def resume(proc: subprocess.Popen[str], how: str) -> None:
+    if how == "sigstop":
+        os.kill(proc.pid, signal.SIGCONT)
+    else:
+        assert proc.stdin is not None
+        proc.stdin.write("x")  # the one byte the held read(2) waits for
+        proc.stdin.flush()
+
+
+@pytest.mark.parametrize("how", ["sigstop", "gil-held"])
+def test_a_stalled_rank_keeps_its_session_past_the_lease_where_one_without_liveness_loses_it(
+    mooncake_master, tmp_path, how
+):
     daemon = Daemon(tmp_path, master=mooncake_master.address, session_ttl=2).start()
     try:
         with rank(daemon, "busy") as busy, rank(daemon, "grpc-only", path="grpc") as lease_only:
             assert ask(busy) == ["True", "16", "0"]
             assert rank_sessions(daemon) == 2
-            # Neither can send a KeepAlive now: all their threads are stopped, as a starved process's would be.
-            os.kill(busy.pid, signal.SIGSTOP)
-            os.kill(lease_only.pid, signal.SIGSTOP)
+            # Neither can send a KeepAlive now, as an engine starved of the GIL or of CPU could not.
+            stall(busy, how)
+            stall(lease_only, how)
             wait_until(
                 lambda: "(rank, grpc-only) expired" in daemon.log(), timeout=30,
                 what="the lease-only rank's session expired (lease 2 s, swept every second)",
             )  # fmt: skip
             assert rank_sessions(daemon) == 1  # the stopped rank with its liveness connection kept its session
             assert "(rank, busy)" not in daemon.log()
-            os.kill(busy.pid, signal.SIGCONT)
+            resume(busy, how)
             # Same session, its memory still registered: the save and the lookup need no re-open.
             assert ask(busy) == ["True", "16", "0"]
-            os.kill(lease_only.pid, signal.SIGCONT)
+            resume(lease_only, how)
             same, hit, reopened = ask(lease_only)  # the lease-only rank re-opens, as before (back-compat)
             assert (same, hit, reopened) == ("False", "16", "1")
     finally:
