@@ -39,7 +39,7 @@ __all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataSocket"]
 
 
 MAX_CONNECTIONS = 512
-MAX_CONNECTIONS_PER_UID = 128  # a TP=8 engine's ranks keep up to 10 each; one uid never takes every slot
+MAX_CONNECTIONS_PER_UID = 128  # a TP=8 engine's ranks keep up to 10 each and a liveness one; no uid takes all
 HELLO_TIMEOUT_S = 2.0
 _BODY_CHUNK = 1 << 20
 

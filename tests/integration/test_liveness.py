@@ -64,13 +64,13 @@ RANK = textwrap.dedent(
 )
 
 
-def rank_sessions(daemon: Daemon) -> float:
+def counter(daemon: Daemon, prefix: str) -> float:
     body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in body.splitlines()
-        if line.startswith('kvsidecar_sessions{role="rank"}')
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(prefix))
+
+
+def rank_sessions(daemon: Daemon) -> float:
+    return counter(daemon, 'kvsidecar_sessions{role="rank"}')
 
 
 @contextlib.contextmanager
@@ -137,9 +137,12 @@ def test_a_stalled_rank_keeps_its_session_past_the_lease_where_one_without_liven
             resume(busy, how)
             # Same session, its memory still registered: the save and the lookup need no re-open.
             assert ask(busy) == ["True", "16", "0"]
+            looked_up = counter(daemon, "kvsidecar_lookup_tokens_total")
             resume(lease_only, how)
             same, hit, reopened = ask(lease_only)  # the lease-only rank re-opens, as before (back-compat)
-            assert (same, hit, reopened) == ("False", "16", "1")
+            assert (same, hit, reopened) == ("False", "16", "1")  # its save after the re-open is stored
+            # Looked up once: a call refused for the lapsed session was not counted, and is sent once more.
+            assert counter(daemon, "kvsidecar_lookup_tokens_total") - looked_up == 17
     finally:
         assert daemon.stop() == 0
 
