@@ -268,7 +268,8 @@ class Config:
     )
     session_ttl: float = setting(
         DEFAULT_SESSION_TTL_S,
-        help="seconds a session lives without a KeepAlive before its memory is released (default 10)",
+        help="seconds a session lives without a KeepAlive before its memory is released (default 10); a session whose "
+        "client holds a liveness connection on the data socket lives exactly as long as that connection instead",
         parse=float,
         group=LIMITS,
     )

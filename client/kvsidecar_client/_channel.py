@@ -13,7 +13,9 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "TcpAuth", "channel_options", "make_chan
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the daemon's default --max-message-bytes
 
 # Reconnect quickly: a restarted daemon on the same node is back within seconds, and gRPC's default backoff (up to
-# 120 s) would keep a healthy daemon unused for minutes.
+# 120 s) would keep a healthy daemon unused for minutes. Never set grpc.min_reconnect_backoff_ms: gRPC core takes it
+# as the minimum time a connection attempt (connect and HTTP/2 handshake) is given (subchannel's min_connect_timeout,
+# 20 s by default), so 100 ms failed handshakes on a loaded node and every call on the channel with UNAVAILABLE.
 _INITIAL_RECONNECT_BACKOFF_MS = 100
 _MAX_RECONNECT_BACKOFF_MS = 500
 
@@ -37,7 +39,6 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", _INITIAL_RECONNECT_BACKOFF_MS),
-        ("grpc.min_reconnect_backoff_ms", _INITIAL_RECONNECT_BACKOFF_MS),
         ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
         ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),

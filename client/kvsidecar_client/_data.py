@@ -7,6 +7,11 @@ Where the data socket cannot serve a call before sending it (no socket file, a d
 every connection busy) the caller gets None and sends it over gRPC; nothing is ever sent twice on a live connection.
 A connection found broken on the first write after idling (a restarted daemon) is replaced once: a call the daemon
 never read is safe to send again.
+
+One more connection per session carries no calls: its liveness (`hold`). While it is open the daemon keeps the
+session, however late a busy engine's KeepAlives come; the kernel closes it when the process exits or is killed, and
+the daemon then releases the session at once. A forked child closes its inherited copy, so that it never keeps a
+dead parent's session alive.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import grpc
 
-from kvsidecar_client.errors import DaemonUnavailable, DeadlineExceeded, error_for_status
+from kvsidecar_client.errors import DaemonUnavailable, DeadlineExceeded, SidecarError, error_for_status
 from kvsidecar_contract import frames
 from kvsidecar_contract.methods import BY_NAME
 from kvsidecar_contract.paths import data_socket_path
@@ -56,6 +62,8 @@ class DataSocket:
         self._count = 0
         self._refused_until = 0.0
         self._closed = False
+        self._liveness: socket.socket | None = None  # the current session's liveness connection (`hold`)
+        _HOLDERS.add(self)
 
     def call(self, session_id: str, secret: bytes, method: str, request: Any, timeout: float) -> Any | None:
         """The call's response over the data socket; None where it should go over gRPC instead (unsent).
@@ -91,11 +99,45 @@ class DataSocket:
             return BY_NAME[method].response.FromString(payload)
         raise AssertionError("unreachable")
 
+    def hold(self, session_id: str, secret: bytes, timeout: float) -> bool:
+        """Open the session's liveness connection (closing the previous session's); False where the daemon cannot
+        take one (no data socket, refused: its lease alone then keeps the session)."""
+        self.let_go()
+        with self._lock:
+            if self._closed or not secret:
+                return False
+        try:
+            conn = self._connect(session_id, secret, time.monotonic() + timeout, "OpenSession", liveness=True)
+        except (_Refused, SidecarError) as error:
+            log.debug("no liveness connection for the session (its lease keeps it): %s", error)
+            return False
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return False
+            self._liveness = conn
+        return True
+
+    def let_go(self) -> None:
+        """Close the liveness connection: the daemon ends its session (if it is still open)."""
+        with self._lock:
+            conn, self._liveness = self._liveness, None
+        if conn is not None:
+            conn.close()
+
     def close(self) -> None:
-        """Close every idle connection; those in use close when their call ends."""
+        """Close every idle connection and the liveness one; those in use close when their call ends."""
         with self._lock:
             self._closed = True
         self._drop_idle()
+        self.let_go()
+
+    def _forget_in_child(self) -> None:
+        # After fork, in the child: no lock (another thread of the parent may have held it at the fork). Closing
+        # the child's descriptor leaves the parent's connection, and so its session, as it was.
+        conn, self._liveness = self._liveness, None
+        if conn is not None:
+            conn.close()
 
     def _drop_idle(self) -> None:
         with self._lock:
@@ -127,14 +169,19 @@ class DataSocket:
                 self._count -= 1
             raise
 
-    def _connect(self, session_id: str, secret: bytes, deadline: float, method: str) -> socket.socket:
+    def _connect(
+        self, session_id: str, secret: bytes, deadline: float, method: str, *, liveness: bool = False
+    ) -> socket.socket:
         if not os.path.exists(self.path):
             raise _Refused  # a daemon without a data socket (older, or TCP only)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             conn.settimeout(max(0.001, deadline - time.monotonic()))
             conn.connect(self.path)
-            hello = json.dumps({"session": session_id, "secret": secret.hex()}).encode()
+            fields: dict[str, Any] = {"session": session_id, "secret": secret.hex()}
+            if liveness:
+                fields[frames.LIVENESS] = True
+            hello = json.dumps(fields).encode()
             conn.sendall(frames.REQUEST.pack(len(hello), frames.HELLO, 0.0) + hello)
             status, payload = _read_reply(conn)
         except (OSError, _Stale) as exc:
@@ -168,6 +215,18 @@ class DataSocket:
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
             self._count -= 1
+
+
+# Every DataSocket of this process, for the fork hook (weak: a closed client's goes with it).
+_HOLDERS: weakref.WeakSet[DataSocket] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for data in list(_HOLDERS):
+        data._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Stale(Exception):

@@ -1,5 +1,10 @@
 """The session with the daemon: opening it, keeping it alive, and re-opening and re-registering it after a loss.
 
+Liveness. Right after OpenSession the keeper opens the session's liveness connection on the daemon's data socket
+(`DataSocket.hold`): while it is open the daemon never expires the session, so an engine too busy (GIL, CPU) to send
+its KeepAlives in time keeps it, and when the process exits or is killed the kernel closes it and the daemon
+releases the session at once. Without a data socket (TCP, older daemons) the lease alone applies.
+
 Reconnect protocol. A background thread renews the session with KeepAlive every lease/3. When the daemon answers
 NOT_FOUND (the lease expired, or the daemon restarted and forgot every session), the keeper opens a new session with
 the same OpenSessionRequest and registers the same tensors again, and only then publishes it; calls made with the old
@@ -267,6 +272,9 @@ class SessionKeeper:
         # call can reach the daemon with a session that would answer FAILED_PRECONDITION.
         response = self._open_rpc(timeout, wait_for_ready)
         session = LiveSession(response.session_id, SessionInfo.from_proto(response), response.side_secret)
+        # Its liveness first: from here the daemon keeps the session while this process lives, however long a
+        # registration or a busy engine's KeepAlives take, and releases it as soon as the process is gone.
+        held = self.data is not None and self.data.hold(session.id, session.side_secret, self.deadlines.control)
         if self._memory is not None:
             try:
                 fds: list[int] = []  # sealed memfds to pass first; refused later if there is no side socket
@@ -274,15 +282,17 @@ class SessionKeeper:
                 self._registration = self._register_rpc(session, regions, fds, self.deadlines.register)
             except BaseException:
                 self._close_quietly(session)
+                if self.data is not None:
+                    self.data.let_go()
                 raise
         self._lease_ms = session.info.lease_ms or _FALLBACK_LEASE_MS
         self._session = session
         self._wake.set()  # the keep-alive thread adopts the new lease at once
         log.info(
-            "kvsidecar session open (%s, daemon %s, lease %d ms%s)",
+            "kvsidecar session open (%s, daemon %s, %s%s)",
             self.spec.role,
             session.info.daemon_version or "?",
-            self._lease_ms,
+            "kept while this process lives" if held else f"lease {self._lease_ms} ms",
             ", memory registered" if self._memory is not None else "",
         )
         return session

@@ -7,6 +7,10 @@ the store and writes the answer: no event loop, no pool hop, no HTTP/2. A frame'
 (`kvsidecar_contract.methods`); the handlers decide everything a gRPC call's would (`answer_frame`), and a refusal
 carries the same code and reason.
 
+A connection whose HELLO says "liveness" is its session's liveness: the session never expires while it is open
+(a busy engine whose KeepAlives come late keeps it), and is released as soon as it closes, which the kernel does
+when the process exits or is killed.
+
 A local account cannot starve the daemon through it: connections are bounded in all and per uid (one uid holds at
 most its share; a refused client sends its calls over gRPC), a connection that does not say hello in time is
 closed, a frame larger than --max-message-bytes closes its connection with the reason, and a call holds one of the
@@ -35,7 +39,7 @@ __all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataSocket"]
 
 
 MAX_CONNECTIONS = 512
-MAX_CONNECTIONS_PER_UID = 128  # a TP=8 engine's ranks keep up to 10 each; one uid never takes every slot
+MAX_CONNECTIONS_PER_UID = 128  # a TP=8 engine's ranks keep up to 10 each and a liveness one; no uid takes all
 HELLO_TIMEOUT_S = 2.0
 _BODY_CHUNK = 1 << 20
 
@@ -103,16 +107,22 @@ class DataSocket(UnixListener):
 
     def _calls(self, conn: socket.socket, peer: PeerCred) -> None:
         conn.settimeout(HELLO_TIMEOUT_S)
-        session = self._hello(conn, peer)
-        if session is None:
+        hello = self._hello(conn, peer)
+        if hello is None:
             return
+        session, liveness = hello
         with session.lock:
             session.data_connections += 1
+        if liveness:
+            self.service.sessions.hold(session)
         try:
             self._bound_calls(conn, session.id, peer)
         finally:
             with session.lock:
                 session.data_connections -= 1
+            if liveness:
+                # Its process closed it: it exited or died (a daemon stopping ends the session anyway).
+                self.service.sessions.let_go(session)
 
     def _bound_calls(self, conn: socket.socket, session_id: str, peer: PeerCred) -> None:
         conn.settimeout(None)
@@ -129,8 +139,9 @@ class DataSocket(UnixListener):
             status, payload = self._call(method_id, body, session_id, time_left, peer)
             _send_reply(conn, status, payload)
 
-    def _hello(self, conn: socket.socket, peer: PeerCred) -> Session | None:
-        """The session the connection is bound to, after answering OK; None after answering the refusal."""
+    def _hello(self, conn: socket.socket, peer: PeerCred) -> tuple[Session, bool] | None:
+        """The session the connection is bound to and whether it is the session's liveness connection, after
+        answering OK; None after answering the refusal."""
         header = bytearray(frames.REQUEST.size)
         try:
             _recv_into(conn, memoryview(header))
@@ -145,8 +156,12 @@ class DataSocket(UnixListener):
                 hello = json.loads(body)
             except (ValueError, UnicodeDecodeError):
                 hello = None
-            if not isinstance(hello, dict) or not all(isinstance(hello.get(k), str) for k in ("session", "secret")):
-                raise BadRequest('a HELLO frame is the JSON object {"session": ID, "secret": HEX}')
+            if (
+                not isinstance(hello, dict)
+                or not all(isinstance(hello.get(k), str) for k in ("session", "secret"))
+                or not isinstance(hello.get(frames.LIVENESS, False), bool)
+            ):
+                raise BadRequest('a HELLO frame is the JSON object {"session": ID, "secret": HEX[, "liveness": BOOL]}')
             session = self.service.sessions.proven(hello["session"], hello["secret"], peer)
         except RequestError as exc:
             code, reason = status_of(exc)
@@ -155,7 +170,7 @@ class DataSocket(UnixListener):
         except TimeoutError:
             return None
         _send_reply(conn, frames.OK, b"")
-        return session
+        return session, hello.get(frames.LIVENESS, False)
 
     def _call(
         self, method_id: int, body: bytearray, session_id: str, time_left: float, peer: PeerCred

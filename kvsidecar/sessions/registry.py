@@ -44,7 +44,8 @@ class Devices(Protocol):
 
 
 class SessionRegistry:
-    """Open sessions by id and the memory they attach; a session not renewed within the TTL is closed and released.
+    """Open sessions by id and the memory they attach; a session not renewed within the TTL is closed and released,
+    unless its process holds a liveness connection: then it lives exactly as long as that connection.
 
     register / unregister are the store's buffer registration (Store.register_buffer / unregister_buffer).
     """
@@ -136,7 +137,7 @@ class SessionRegistry:
         """The live session with this id, its lease renewed."""
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None or (session.expires_at < self._clock() and not session.in_flight):
+            if session is None or (self._lapsed(session, self._clock()) and not session.in_flight):
                 raise UnknownSession(f"unknown session {session_id[:8]!r}: never opened, closed, or lease expired")
             session.expires_at = self._clock() + self.ttl
             return session
@@ -298,17 +299,38 @@ class SessionRegistry:
             raise UnknownSession(f"unknown session {session_id[:8]!r}: never opened, closed, or lease expired")
         self._release(session)
 
+    def hold(self, session: Session) -> None:
+        """A liveness connection of the session's process opened: the session stays while it is open."""
+        with self._lock:
+            session.liveness += 1
+
+    def let_go(self, session: Session) -> None:
+        """A liveness connection closed; with the last one the process is gone (it closes them only when it
+        exits or dies) and the session is released now, or once its calls in flight end."""
+        with self._lock:
+            session.liveness -= 1
+            if session.liveness or self._sessions.get(session.id) is not session:
+                return
+            session.gone = True
+        self.expire()
+
     def expire(self) -> list[Session]:
-        """Close every session whose lease ran out; returns them."""
+        """Close every session whose lease ran out or whose process is gone; returns them."""
         now = self._clock()
         with self._lock:
-            dead = [s for s in self._sessions.values() if s.expires_at < now and not s.in_flight]
+            dead = [s for s in self._sessions.values() if self._lapsed(s, now) and not s.in_flight]
             for s in dead:
                 del self._sessions[s.id]
         for s in dead:
-            log.warning("session %s (%s, %s) expired: releasing its memory", s.id[:8], s.role.value, s.client_name)
+            why = "its process closed its liveness connection (exited or killed)" if s.gone else "expired"
+            log.warning("session %s (%s, %s) %s: releasing its memory", s.id[:8], s.role.value, s.client_name, why)
             self._release(s)
         return dead
+
+    @staticmethod
+    def _lapsed(session: Session, now: float) -> bool:
+        """Its process is gone, or it holds no liveness connection and its lease ran out."""
+        return session.gone or (not session.liveness and session.expires_at < now)
 
     def close_all(self) -> None:
         """Close every session (daemon shutdown)."""

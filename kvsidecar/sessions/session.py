@@ -40,6 +40,10 @@ class Session:
     memfds_counted: int = 0  # memfds it took from its account's share (given back when it closes)
     bytes_counted: int = 0  # registered host bytes it took from its account's share
     data_connections: int = 0  # data-socket connections bound to it now (changed under `lock`; for operators)
+    # Liveness connections open now (changed under the registry's lock): while one is open the process is alive
+    # and the session never expires, however long its KeepAlives take; when the last one closes it is `gone`.
+    liveness: int = 0
+    gone: bool = False  # its process closed its liveness connection (exited or was killed): released at once
 
     def require_memory(self) -> SessionMemory:
         """The session's memory, for saves and loads."""

@@ -274,7 +274,8 @@ class Faults(threading.Thread):
             else:
                 try:
                     os.kill(pid, signal.SIGSTOP)
-                    self.stop_event.wait(self.ttl + 2.5)  # the lease runs out, the sweeper releases the memory
+                    # Past the lease: its liveness connection keeps the session (a lease-only client re-opens).
+                    self.stop_event.wait(self.ttl + 2.5)
                 finally:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)

@@ -384,11 +384,20 @@ class HeldLookups:
 
 class HeldSaves:
     """A daemon whose saves finish only when the test says so: each save the worker sends is carried out at once,
-    but the worker learns it is done only after `release()`. Until then vLLM must treat the blocks as still read."""
+    but the worker learns it is done only after `release()`. Until then vLLM must treat the blocks as still read.
 
-    def __init__(self, engine: Engine) -> None:
+    `release(outcome)` can hand the worker another outcome than the daemon's answer: an exception instance (a
+    SidecarError: the save failed; anything else: the client crashed). `wait_reported()` waits until the worker
+    has been told of every save released so far (its done callbacks have run), whatever they did.
+    """
+
+    def __init__(self, engine: Engine | KVSidecarConnector) -> None:
         self._gate = threading.Event()
-        client = engine.worker.client
+        self._outcome: BaseException | None = None
+        self._lock = threading.Condition()
+        self._held = 0  # saves whose worker callbacks have not run yet
+        worker = engine.worker if isinstance(engine, Engine) else engine
+        client = worker.client
         save_batch = client.save_batch
 
         def held(*args: Any, **kwargs: Any) -> Any:
@@ -398,18 +407,39 @@ class HeldSaves:
 
     def _hold(self, job: SaveJob) -> SaveJob:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._held += 1
 
         def finish() -> None:
-            if not self._gate.wait(120):
-                future.set_exception(AssertionError("a held save was never released"))
-                return
             try:
-                future.set_result(job.result(120))
-            except BaseException as error:  # the save's own error, passed on as the worker would see it
-                future.set_exception(error)
+                if not self._gate.wait(120):
+                    future.set_exception(AssertionError("a held save was never released"))
+                    return
+                try:
+                    result = job.result(120)
+                except BaseException as error:  # the save's own error, passed on as the worker would see it
+                    future.set_exception(error)
+                    return
+                if self._outcome is not None:
+                    future.set_exception(self._outcome)
+                else:
+                    future.set_result(result)
+            finally:
+                # set_result/set_exception return only once the future's callbacks (the worker's) have run.
+                with self._lock:
+                    self._held -= 1
+                    self._lock.notify_all()
 
         threading.Thread(target=finish, name="held-save", daemon=True).start()
         return SaveJob(future)
 
-    def release(self) -> None:
+    def release(self, outcome: BaseException | None = None) -> None:
+        if not self._gate.is_set():
+            self._outcome = outcome
         self._gate.set()
+
+    def wait_reported(self, timeout: float = 60.0) -> None:
+        """Until every save released so far has reached the worker (its callbacks ran)."""
+        assert self._gate.is_set(), "release() the saves first"
+        with self._lock:
+            assert self._lock.wait_for(lambda: self._held == 0, timeout), f"{self._held} saves never reported"

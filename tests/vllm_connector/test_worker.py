@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
 
 import torch
-from sidecar_engine import BLOCK, LAYOUTS, NUM_BLOCKS, allocate, kv_cache_config, layer_parts, vllm_config
+from sidecar_engine import (
+    BLOCK,
+    LAYOUTS,
+    NUM_BLOCKS,
+    HeldSaves,
+    allocate,
+    kv_cache_config,
+    layer_parts,
+    vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvsidecar_client import EngineLayout, InvalidRequest, SidecarClient
+from kvsidecar_client import DaemonUnavailable, EngineLayout, InvalidRequest, SidecarClient
 from kvsidecar_client.vllm import KVSidecarConnector
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
 from kvsidecar_client.vllm.specs import engine_groups
@@ -190,5 +200,61 @@ def test_a_step_of_many_requests_is_one_save_and_one_load_call_answered_per_requ
             for part in layer_parts(cache):
                 for r in prompts:
                     assert torch.equal(part[targets[r]], part[sources[r]]), r
+    finally:
+        connector.shutdown()
+
+
+# When the save's outcome reaches the worker, against the step whose metadata says the request finished
+# (delayed_saves), and what the outcome is: the daemon's answer, a failed save, or a client that crashed.
+WHEN = ("while-running", "same-step", "after")
+OUTCOMES: dict[str, BaseException | None] = {
+    "ok": None,
+    "failed": DaemonUnavailable("the daemon went away", method="SaveBatch"),
+    "raised": RuntimeError("a client bug"),
+}
+
+
+@pytest.mark.parametrize("outcome", list(OUTCOMES))
+@pytest.mark.parametrize("when", WHEN)
+def test_every_save_of_a_finished_request_is_reported_done_exactly_once(
+    vllm_env, tiny_model, daemon, cache_prefix, when, outcome
+):
+    """vLLM frees a delayed request's blocks only once get_finished reports it: a report lost for any outcome (a
+    save that failed, a client that crashed) would hold them for ever, a leak of the engine's KV cache."""
+    connector, kv = worker(tiny_model, daemon, cache_prefix)
+    caches = allocate(kv)
+    try:
+        connector.register_kv_caches(caches)
+        held = HeldSaves(connector)
+
+        def step(meta: KVSidecarMetadata, finished: set[str], before_report: Any = None) -> set[str]:
+            connector.bind_connector_metadata(meta)
+            connector.wait_for_save()
+            if before_report is not None:
+                before_report()
+            sending, _ = connector.get_finished(finished)
+            connector.clear_connector_metadata()
+            return sending or set()
+
+        def release() -> None:
+            held.release(OUTCOMES[outcome])
+            held.wait_reported()
+
+        save = SaveSpec("a", HASHES, ((10, 11, 12, 13, 14),), 80, 0, frozenset(range(10, 15)))
+        reported = step(KVSidecarMetadata(saves=[save]), set())
+        assert reported == set(), "a save still held was reported done"
+        if when == "while-running":
+            release()
+            reported |= step(KVSidecarMetadata(delayed_saves=frozenset({"a"})), {"a"})
+        elif when == "same-step":
+            reported |= step(KVSidecarMetadata(delayed_saves=frozenset({"a"})), {"a"}, release)
+        else:
+            reported |= step(KVSidecarMetadata(delayed_saves=frozenset({"a"})), {"a"})
+            assert reported == set(), "a save still held was reported done"
+            release()
+            reported |= step(KVSidecarMetadata(), set())
+        assert reported == {"a"}, f"the {outcome} save, done {when}, was never reported: its blocks would leak"
+        for _ in range(3):
+            assert step(KVSidecarMetadata(), set()) == set(), "a request was reported done twice"
     finally:
         connector.shutdown()

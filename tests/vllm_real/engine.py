@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,31 @@ def scribble(segments: Segments) -> int:
     return filled
 
 
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def _shm_in_use(pids: set[int]) -> set[str]:
+    """Names of /dev/shm files the processes map or hold open (vLLM's queues, semaphores, CPU communicators)."""
+    names: set[str] = set()
+    prefix = f"{SHM_DIR}/"
+    for pid in pids:
+        paths: list[str] = []
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                paths += [line.split(maxsplit=5)[5].strip() for line in maps if len(line.split(maxsplit=5)) == 6]
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # exited meanwhile
+            continue
+        names.update(p[len(prefix) :] for p in paths if p.startswith(prefix) and not p.endswith(" (deleted)"))
+    return names
+
+
 @dataclass
 class Engine:
     """An LLM over one tiny model, one daemon and a cache_prefix of its own."""
@@ -115,6 +141,8 @@ class Engine:
     llm: Any
     model: TinyModel
     noise_flag: Path
+    shm_before: set[str] = field(default_factory=set)  # /dev/shm's names when the engine started
+    pids_before: set[int] = field(default_factory=set)  # this process's children then (the daemon, its master)
 
     @classmethod
     def start(
@@ -148,7 +176,8 @@ class Engine:
         }
         settings.update(model.llm)
         settings.update(overrides)
-        return cls(LLM(**settings), model, flag)
+        shm, pids = _shm_names(), _children()
+        return cls(LLM(**settings), model, flag, shm, pids)
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Greedy token ids of every prompt, in order."""
@@ -170,4 +199,18 @@ class Engine:
             self.noise_flag.unlink(missing_ok=True)
 
     def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        """Shut the engine down and remove the /dev/shm files it made and left behind (vLLM CPU leaves its queues,
+        semaphores and TP communicators there), so the next suite starts with nothing of this one's."""
+        engine = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.pids_before]
+        mine = _shm_in_use({os.getpid(), *(p.pid for p in engine)}) - self.shm_before
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            psutil.wait_procs(engine, timeout=60)
+            for name in mine:  # created while this engine ran, by it: another suite's files are never touched
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{SHM_DIR}/{name}")
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}

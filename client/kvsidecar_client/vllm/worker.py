@@ -221,6 +221,10 @@ class WorkerSide:
             return
         for req_id, job in jobs.items():
             job.add_done_callback(functools.partial(_save_finished, req_id, done[req_id], self._stats, start))
+        for req_id in done.keys() - jobs.keys():
+            # No job came back for it (a client bug): nothing reads its blocks that vLLM would ever hear of.
+            log.error("kvsidecar save for request %s got no job back; reporting it done", req_id)
+            done[req_id].set_result(None)
 
     def _send_saves_after(
         self, specs: Sequence[SaveSpec], done: Mapping[str, concurrent.futures.Future[Any]], event: Any
@@ -298,13 +302,21 @@ class WorkerSide:
 def _save_finished(
     req_id: str, done: concurrent.futures.Future[Any], stats: StatsRecorder, start: float, job: SaveJob
 ) -> None:
-    seconds = time.monotonic() - start
-    error = job.exception()
-    if error is not None:
-        # A failed save is a future cache miss, never a wrong answer: the daemon stopped reading.
-        log.warning("kvsidecar save for request %s failed: %s", req_id, error)
-        stats.add(saves=1, save_failures=1, save_seconds=seconds)
-    else:
+    """Count the save's outcome, then report it done, whatever the outcome: vLLM frees the request's blocks only
+    once get_finished reports it, so a report lost here would hold them for ever (a leak of the KV cache)."""
+    try:
+        seconds = time.monotonic() - start
+        try:
+            error = job.exception()
+        except BaseException as crash:  # not a daemon answer: a client bug, logged; the daemon stopped reading
+            log.error("kvsidecar save for request %s crashed", req_id, exc_info=crash)
+            stats.add(saves=1, save_failures=1, save_seconds=seconds)
+            return
+        if error is not None:
+            # A failed save is a future cache miss, never a wrong answer: the daemon stopped reading.
+            log.warning("kvsidecar save for request %s failed: %s", req_id, error)
+            stats.add(saves=1, save_failures=1, save_seconds=seconds)
+            return
         r = job.result()
         stats.add(
             saves=1,
@@ -314,7 +326,8 @@ def _save_finished(
             save_skipped_blocks=r.skipped,
             save_failed_blocks=r.failed,
         )
-    done.set_result(None)
+    finally:
+        done.set_result(None)
 
 
 def _settle(

@@ -77,6 +77,46 @@ def test_a_session_in_use_does_not_expire_and_renews_when_done():
     assert reg.expire() == [s]
 
 
+def test_a_session_held_by_its_liveness_connection_never_expires_and_ends_when_it_closes():
+    clock = Clock()
+    reg = registry(2, clock)
+    s = reg.open(Role.RANK, LAYOUT, 32, "busy", grant=TRUSTED)
+    reg.hold(s)
+    clock.now += 1000  # no KeepAlive for far longer than the lease: a busy engine, a stopped process
+    assert reg.expire() == []
+    assert reg.get(s.id) is s
+    reg.let_go(s)  # the process exited or was killed: the kernel closed the connection
+    assert s.closed and reg.snapshot() == []
+    with pytest.raises(UnknownSession):
+        reg.get(s.id)
+
+
+def test_a_gone_session_with_a_call_in_flight_is_released_when_the_call_ends():
+    clock = Clock()
+    reg = registry(10, clock)
+    s = reg.open(Role.RANK, LAYOUT, 32, "", grant=TRUSTED)
+    reg.hold(s)
+    with reg.use(s.id):
+        reg.let_go(s)
+        assert not s.closed  # its memory may still be read by the call
+    assert reg.expire() == [s]  # at the next sweep, not a lease later
+    assert s.closed
+
+
+def test_a_session_ends_with_its_last_liveness_connection_and_one_closed_before_is_left_alone():
+    clock = Clock()
+    reg = registry(2, clock)
+    s = reg.open(Role.RANK, LAYOUT, 32, "", grant=TRUSTED)
+    reg.hold(s)
+    reg.hold(s)
+    reg.let_go(s)  # one of two closed: still held
+    clock.now += 100
+    assert reg.expire() == []
+    reg.close(s.id)
+    reg.let_go(s)  # closed first (CloseSession), then its connection: nothing left to end
+    assert reg.expire() == []
+
+
 # Attaching and releasing memory: the registry claims, registers with the store, and rolls back on failure.
 
 
