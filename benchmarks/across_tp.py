@@ -24,7 +24,9 @@ import concurrent.futures
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -34,6 +36,17 @@ from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tens
 GIB = 1 << 30
 BLOCK = 16
 HEAD_SIZE = 128
+
+
+class Loader(Protocol):
+    """An engine rank as save_all and load_all use it (benchmarks/across_tp_state.py has another)."""
+
+    client: SidecarClient
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a load of the whole prompt lands on this rank."""
+        ...
 
 
 class Rank:
@@ -62,9 +75,10 @@ def engine(target: str, tp: int, args: argparse.Namespace, share: bool | int, pr
     return [Rank(target, tp, r, args, share, prefix) for r in range(tp)]
 
 
-def save_all(ranks: list[Rank], hashes: list[bytes], tokens: int) -> tuple[int, int]:
-    """Every rank saves the prompt at once: (bytes written, values written) summed over ranks."""
-    ids = [list(range(len(hashes)))]
+def save_all(ranks: Sequence[Loader], hashes: list[bytes], tokens: int, groups: int = 1) -> tuple[int, int]:
+    """Every rank saves the prompt at once (block i of every group holds block i): (bytes written, values written)
+    summed over ranks."""
+    ids = [list(range(len(hashes)))] * groups
     with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
         results = list(pool.map(lambda rank: rank.client.save(hashes, ids, tokens).result(timeout=600), ranks))
     for r in results:
@@ -72,11 +86,11 @@ def save_all(ranks: list[Rank], hashes: list[bytes], tokens: int) -> tuple[int, 
     return sum(r.bytes_written for r in results), sum(r.written for r in results)
 
 
-def load_all(ranks: list[Rank], hashes: list[bytes], tokens: int) -> float:
+def load_all(ranks: Sequence[Loader], hashes: list[bytes], tokens: int, groups: int = 1) -> float:
     """Every rank looks the prompt up and loads it at once: GiB/s over the bytes every rank received."""
     hits = [rank.client.lookup(hashes, tokens + 1) for rank in ranks]
     assert all(h.hit_tokens == tokens for h in hits), [h.hit_tokens for h in hits]
-    ids = [list(range(len(hashes)))]
+    ids = [list(range(len(hashes)))] * groups
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
         failed = list(pool.map(lambda p: p[0].client.load(hashes, ids, p[1]), zip(ranks, hits, strict=True)))
@@ -139,8 +153,8 @@ def main() -> None:
             base = statistics.median(rates[next(iter(readers))])
             print(f"\n| reader (all ranks loading at once, median of {args.rounds}) | GiB/s | ratio |")
             print("| --- | --- | --- |")
-            for name, values in rates.items():
-                median = statistics.median(values)
+            for name, measured in rates.items():
+                median = statistics.median(measured)
                 print(f"| {name} | {median:.2f} | {median / base:.2f}x |")
             for ranks in readers.values():
                 for rank in ranks:
