@@ -17,7 +17,7 @@ at the writer's TP.
 
 A hit loads attention for every block of the prompt and the state only at the hit (the last block), as vLLM
 resumes a recurrent layer from its state there; the load rate is over those bytes. Prints bytes written per
-distinct byte of the model (each B/C group counted once), the values per block and their mean size, and each
+distinct byte of the model (each B/C group counted once), the values per block and the state values' sizes, and each
 reader's GiB/s with the ratio to the same-TP per-layout reader, median of the rounds.
 """
 
@@ -34,6 +34,7 @@ from across_tp import BLOCK, HEAD_SIZE, load_all, save_all
 from kvsidecar.testing.processes import Daemon
 from kvsidecar.testing.states import Mamba2
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
+from kvsidecar_contract.placement import share_tp_size_of
 
 KV_HEADS = 8
 MIB = 1 << 20
@@ -41,6 +42,17 @@ MIB = 1 << 20
 
 def mamba(args: argparse.Namespace) -> Mamba2:
     return Mamba2(args.heads, 64, args.n_groups, 128, conv_kernel=4, conv_bytes=2, ssm_bytes=2)
+
+
+def state_values(args: argparse.Namespace, share: bool | int) -> str:
+    """The size of one block's state values in KiB, as the contract cuts them: per layout one per rank, else one per
+    piece (heads' pieces, then the B/C groups')."""
+    state = mamba(args).state()
+    if not share:
+        return f"{args.mamba_layers * state.layer_bytes(args.writer_tp) / 1024:.0f} (whole rank)"
+    n = share_tp_size_of(share, KV_HEADS, [GroupSpec("mamba", BLOCK, state=state)])
+    sizes = {state.axes[p.axis].name: args.mamba_layers * state.piece_bytes(p) / 1024 for p in state.pieces(n)}
+    return ", ".join(f"{size:.1f} ({name})" for name, size in sizes.items())
 
 
 class HybridRank:
@@ -105,7 +117,7 @@ def main() -> None:
     # The model's distinct bytes: at T=1 every head and every B/C group once.
     attention = 2 * args.attention_layers * args.blocks * KV_HEADS * BLOCK * HEAD_SIZE * 2
     distinct = attention + args.mamba_layers * args.blocks * state.layer_bytes(1)
-    segment = f"{max(256, 3 * distinct // MIB + 64)}MiB"
+    segment = f"{4 * distinct // MIB + 256}MiB"  # three writers, whole values of up to 36 MiB
     w = args.writer_tp
     with tempfile.TemporaryDirectory() as work:
         daemon = Daemon(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
@@ -118,7 +130,7 @@ def main() -> None:
                 for r, rank in enumerate(ranks):
                     rank.fill(10 * i + r)
                 written, values = save_all(ranks, hashes, tokens, groups=2)
-                rows.append((name, written / distinct, values / args.blocks, written / values / 1024))
+                rows.append((name, written / distinct, values / args.blocks, state_values(args, share)))
                 for rank in ranks:
                     rank.close()
             print(
@@ -127,10 +139,10 @@ def main() -> None:
                 f"(GQA H={KV_HEADS}), {args.blocks} blocks of {BLOCK} tokens,"
             )
             print(f"# writer TP={w}, {distinct / MIB:.1f} MiB of distinct bytes\n")
-            print("| writer | bytes written / distinct bytes | values per block | KiB per value |")
+            print("| writer | bytes written / distinct bytes | values per block | KiB per state value |")
             print("| --- | --- | --- | --- |")
-            for name, ratio, per_block, size in rows:
-                print(f"| TP={w}, {name} | {ratio:.4f} | {per_block:g} | {size:.0f} |")
+            for name, ratio, per_block, sizes in rows:
+                print(f"| TP={w}, {name} | {ratio:.4f} | {per_block:g} | {sizes} |")
             readers = {
                 f"TP={w} reader, per-layout values": engine(daemon.target, w, args, False, "per layout"),
                 f"TP={w} reader, per-head values": engine(daemon.target, w, args, True, "per head"),
