@@ -1,19 +1,19 @@
 """A hybrid's recurrent state across TP sizes (docs/placement.md rule 12): write volume and load rate, one run.
 
     python benchmarks/across_tp_state.py [--blocks 4] [--mamba-layers 36] [--attention-layers 4] [--heads 128]
-                                         [--n-groups 1] [--writer-tp 2] [--rounds 5]
+                                         [--n-groups 1] [--conv-ds] [--writer-tp 2] [--rounds 25]
 
 One real daemon with its embedded Mooncake master, as `benchmarks/across_tp.py` (whose save and load helpers this
 uses). A Granite-4-like hybrid: Mamba2 layers of `heads` heads of 64 x state 128, `n-groups` B/C groups, conv
-kernel 4, conv and temporal state 2 bytes (bf16, vLLM's default state dtype for such a model), one page per layer
-and block as vLLM 0.33 holds it (conv state then temporal state, `kvsidecar.testing.states.Mamba2` has the oracle);
-and attention layers of 8 KV heads of 128 fp16, 16-token blocks, head-major. A writer engine of TP `writer-tp`
-(each rank a client session, all ranks at once) saves the prompt three times: per layout (`share_across_tp` off,
-the state one opaque value per rank and block), per head (`true`: the state in one piece per head and per B/C
-group, the repeated group written once) and cut as a TP=`writer-tp` engine holds its heads (`writer-tp`). Then
-readers load it, all their ranks at once, rounds interleaved: a same-TP reader of the per-layout values (the
-baseline), same-TP, TP=1 and TP=4 readers of the per-head values, and same-TP and TP=1 readers of the values cut
-at the writer's TP.
+kernel 4 (its state (window, channels), vLLM's default "SD", or with --conv-ds "DS"), conv and temporal state 2
+bytes (bf16, vLLM's default state dtype for such a model), one page per layer and block as vLLM 0.33 holds it
+(conv state then temporal state, `kvsidecar.testing.states.Mamba2` has the oracle); and attention layers of 8 KV
+heads of 128 fp16, 16-token blocks, head-major. A writer engine of TP `writer-tp` (each rank a client session, all
+ranks at once) saves the prompt three times: per layout (`share_across_tp` off, the state one opaque value per
+rank and block), per head (`true`: the state in one piece per head and per B/C group, the repeated group written
+once) and cut as a TP=`writer-tp` engine holds its heads (`writer-tp`). Then readers load it, all their ranks at
+once, rounds interleaved: a same-TP reader of the per-layout values (the baseline), same-TP, TP=1 and TP=4 readers
+of the per-head values, and same-TP and TP=1 readers of the values cut at the writer's TP.
 
 A hit loads attention for every block of the prompt and the state only at the hit (the last block), as vLLM
 resumes a recurrent layer from its state there; the load rate is over those bytes. Prints bytes written per
@@ -41,7 +41,7 @@ MIB = 1 << 20
 
 
 def mamba(args: argparse.Namespace) -> Mamba2:
-    return Mamba2(args.heads, 64, args.n_groups, 128, conv_kernel=4, conv_bytes=2, ssm_bytes=2)
+    return Mamba2(args.heads, 64, args.n_groups, 128, conv_kernel=4, conv_bytes=2, ssm_bytes=2, dim_first=args.conv_ds)
 
 
 def state_values(args: argparse.Namespace, share: bool | int) -> str:
@@ -108,8 +108,11 @@ def main() -> None:
     parser.add_argument("--attention-layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--n-groups", type=int, default=1)
+    parser.add_argument(
+        "--conv-ds", action="store_true", help="conv state (channels, window): VLLM_SSM_CONV_STATE_LAYOUT=DS"
+    )
     parser.add_argument("--writer-tp", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=25)  # each load is ~40 MiB: many rounds for a stable median
     args = parser.parse_args()
     hashes = [i.to_bytes(4, "big") * 8 for i in range(1, args.blocks + 1)]
     tokens = BLOCK * args.blocks
@@ -135,7 +138,8 @@ def main() -> None:
                     rank.close()
             print(
                 f"# across TP, hybrid: {args.mamba_layers} Mamba2 layers ({args.heads} heads of 64 x state 128, "
-                f"{args.n_groups} B/C group(s), conv 4, 2-byte state) + {args.attention_layers} attention layers "
+                f"{args.n_groups} B/C group(s), conv 4 {'DS' if args.conv_ds else 'SD'}, 2-byte state) + "
+                f"{args.attention_layers} attention layers "
                 f"(GQA H={KV_HEADS}), {args.blocks} blocks of {BLOCK} tokens,"
             )
             print(f"# writer TP={w}, {distinct / MIB:.1f} MiB of distinct bytes\n")
