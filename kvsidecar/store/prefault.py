@@ -29,6 +29,7 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _CHUNK = 64 * MIB
 _PROBE_KEY = "__kvsidecar_segment_probe__"
 _PAGE = 4096
+_PROBES = 3  # probe values put before the segment is called unknown
 
 
 def locate_segment(
@@ -45,6 +46,27 @@ def locate_segment(
     config = config_type()
     config.replica_num = 1
     config.preferred_segment = hostname
+    landed: list[int] = []
+    for _ in range(_PROBES):
+        addresses = _probe(call, hostname, config)
+        for address in addresses:
+            end = writable_mapping_end(address)
+            if end is not None:
+                return Replica(address, min(end, address + segment_size) - address)
+        landed += addresses
+    # Mooncake takes preferred_segment as a preference: a probe may land in another client's segment.
+    log.warning(
+        "%d probes put into segment %s landed outside this process (at %s): its segment is not known (no pre-fault, "
+        "no direct GPU copies)",
+        _PROBES,
+        hostname,
+        ", ".join(f"{a:#x}" for a in landed) or "no memory replica",
+    )
+    return None
+
+
+def _probe(call: Callable[[str, Callable[[Any], Any]], Any], hostname: str, config: Any) -> list[int]:
+    """Addresses of the memory replicas of one small probe value put with `config` (then removed)."""
     key = f"{_PROBE_KEY}/{hostname}/{secrets.token_hex(8)}"
     if call("put", lambda n: n.put(key, bytes(64), config)) != SUCCESS:
         raise StoreError(StoreCode.INTERNAL, "the probe put failed")
@@ -52,15 +74,7 @@ def locate_segment(
         replicas = call("get_replica_desc", lambda n: n.get_replica_desc(key))
     finally:
         call("remove", lambda n: n.remove(key, True))
-    addresses = [
-        int(r.get_memory_descriptor().buffer_descriptor.buffer_address) for r in replicas if r.is_memory_replica()
-    ]
-    for address in addresses:
-        end = writable_mapping_end(address)
-        if end is not None:
-            return Replica(address, min(end, address + segment_size) - address)
-    log.info("the segment probe landed outside this process: its segment is not known")
-    return None
+    return [int(r.get_memory_descriptor().buffer_descriptor.buffer_address) for r in replicas if r.is_memory_replica()]
 
 
 class SegmentPrefault:
