@@ -35,9 +35,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SHARE = {"share_across_tp": True}
 
 
+# A hybrid's P/D at one TP size is what each case across TP sizes does on its producer's side (the same connector,
+# the same stored pieces); granitemoehybrid tp1->tp1 was dropped for them, the suite being at its time budget.
 CASES = {
     "llama-gqa tp1->tp2": ("llama-gqa", 1, 2),
-    "granitemoehybrid tp1->tp1": ("granitemoehybrid", 1, 1),
     "granitemoehybrid tp1->tp2": ("granitemoehybrid", 1, 2),
     "granitemoehybrid tp2->tp1": ("granitemoehybrid", 2, 1),
     "qwen3-next tp1->tp2": ("qwen3-next-k2", 1, 2),
