@@ -24,7 +24,7 @@ import concurrent.futures
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -46,6 +46,10 @@ class Loader(Protocol):
     @property
     def nbytes(self) -> int:
         """Bytes a load of the whole prompt lands on this rank."""
+        ...
+
+    def close(self) -> None:
+        """End the rank's session."""
         ...
 
 
@@ -99,6 +103,26 @@ def load_all(ranks: Sequence[Loader], hashes: list[bytes], tokens: int, groups: 
     return sum(rank.nbytes for rank in ranks) / elapsed / GIB
 
 
+def report_loads(
+    readers: Mapping[str, Sequence[Loader]], hashes: list[bytes], tokens: int, rounds: int, groups: int = 1
+) -> None:
+    """Load the prompt with every reader, `rounds` times interleaved, print each one's median GiB/s and its ratio to
+    the first reader's, then close the readers' ranks."""
+    rates: dict[str, list[float]] = {name: [] for name in readers}
+    for _ in range(rounds):
+        for name, ranks in readers.items():
+            rates[name].append(load_all(ranks, hashes, tokens, groups))
+    base = statistics.median(rates[next(iter(readers))])
+    print(f"\n| reader (all ranks loading at once, median of {rounds}) | GiB/s | ratio |")
+    print("| --- | --- | --- |")
+    for name, measured in rates.items():
+        median = statistics.median(measured)
+        print(f"| {name} | {median:.2f} | {median / base:.2f}x |")
+    for ranks in readers.values():
+        for rank in ranks:
+            rank.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=256)
@@ -146,19 +170,7 @@ def main() -> None:
                 f"TP={w} reader, values {cut}": engine(daemon.target, w, args, w, cut),
                 f"TP=1 reader, values {cut}": engine(daemon.target, 1, args, w, cut),
             }
-            rates: dict[str, list[float]] = {name: [] for name in readers}
-            for _ in range(args.rounds):
-                for name, ranks in readers.items():
-                    rates[name].append(load_all(ranks, hashes, tokens))
-            base = statistics.median(rates[next(iter(readers))])
-            print(f"\n| reader (all ranks loading at once, median of {args.rounds}) | GiB/s | ratio |")
-            print("| --- | --- | --- |")
-            for name, measured in rates.items():
-                median = statistics.median(measured)
-                print(f"| {name} | {median:.2f} | {median / base:.2f}x |")
-            for ranks in readers.values():
-                for rank in ranks:
-                    rank.close()
+            report_loads(readers, hashes, tokens, args.rounds)
         finally:
             daemon.stop()
 

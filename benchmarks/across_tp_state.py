@@ -24,12 +24,11 @@ reader's GiB/s with the ratio to the same-TP per-layout reader, median of the ro
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from across_tp import BLOCK, HEAD_SIZE, load_all, save_all
+from across_tp import BLOCK, HEAD_SIZE, report_loads, save_all
 
 from kvsidecar.testing.processes import Daemon
 from kvsidecar.testing.states import Mamba2
@@ -155,19 +154,7 @@ def main() -> None:
                 f"TP={w} reader, values {cut}": engine(daemon.target, w, args, w, cut),
                 f"TP=1 reader, values {cut}": engine(daemon.target, 1, args, w, cut),
             }
-            rates: dict[str, list[float]] = {name: [] for name in readers}
-            for _ in range(args.rounds):
-                for name, ranks in readers.items():
-                    rates[name].append(load_all(ranks, hashes, tokens, groups=2))
-            base = statistics.median(rates[next(iter(readers))])
-            print(f"\n| reader (all ranks loading at once, median of {args.rounds}) | GiB/s | ratio |")
-            print("| --- | --- | --- |")
-            for name, measured in rates.items():
-                median = statistics.median(measured)
-                print(f"| {name} | {median:.2f} | {median / base:.2f}x |")
-            for ranks in readers.values():
-                for rank in ranks:
-                    rank.close()
+            report_loads(readers, hashes, tokens, args.rounds, groups=2)
         finally:
             daemon.stop()
 
