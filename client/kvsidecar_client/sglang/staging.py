@@ -1,0 +1,68 @@
+"""Sealed shared memory SGLang's pages pass through on their way to and from the daemon.
+
+SGLang's host pool cannot be handed to the daemon as it is: its shm allocator makes memfds without
+MFD_ALLOW_SEALING, so nothing can ever seal them against shrinking, and a pool truncated under a transfer would
+crash the daemon (SIGBUS) for every engine on the node; its default allocator makes anonymous memory the daemon
+cannot map at all. So each rank keeps a staging area of its own in a sealed memfd (`shared_tensor`), which it
+registers once, and copies a call's pages into it (saves) or out of it (loads): one memcpy per page each way, in
+SGLang's storage threads, never in a forward pass (docs/sglang.md says what it costs).
+
+The area is run-major: run r of every slot is one dense array, so a call's pages move with one gather or scatter
+per run, whatever the number of pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvsidecar_client.memory import shared_tensor
+from kvsidecar_client.sglang.pages import PagePool
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Staging"]
+
+
+class Staging:
+    """`slots` pages of every pool, in one sealed memfd; slot s is block id s of each pool's group."""
+
+    def __init__(self, pools: Sequence[tuple[PagePool, torch.Tensor]], slots: int) -> None:
+        """pools: each pool's pages and its buffer (SGLang's `kv_buffer`), in group order."""
+        import torch
+
+        self.slots = slots
+        total = slots * sum(pool.page_bytes for pool, _ in pools)
+        self._memory = shared_tensor((total,), torch.uint8)
+        # Per pool, per run: (this area's (slots, size) array, the pool's (pages, size) view of the same run).
+        self._runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        start = 0
+        for pool, buffer in pools:
+            flat = buffer.reshape(-1).view(torch.uint8)
+            runs = []
+            for run in pool.runs:
+                mine = self._memory[start : start + slots * run.size].view(slots, run.size)
+                theirs = flat.as_strided((pool.num_pages, run.size), (run.stride, 1), run.offset)
+                runs.append((mine, theirs))
+                start += slots * run.size
+            self._runs.append(runs)
+
+    def tensors(self) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
+        """What to register: every run of every pool (dim 0: the slots), and the group each serves."""
+        tensors = [mine for runs in self._runs for mine, _ in runs]
+        groups = [(g,) for g, runs in enumerate(self._runs) for _ in runs]
+        return tensors, groups
+
+    def gather(self, group: int, pages: torch.Tensor, first: int) -> None:
+        """Copy the pool's pages into slots first, first + 1, ... (before a save)."""
+        import torch
+
+        count = pages.numel()
+        for mine, theirs in self._runs[group]:
+            torch.index_select(theirs, 0, pages, out=mine[first : first + count])
+
+    def scatter(self, group: int, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy slot slots[i] into the pool's page pages[i] (after a load), for the pages that loaded."""
+        for mine, theirs in self._runs[group]:
+            theirs.index_copy_(0, pages, mine.index_select(0, slots))

@@ -1,0 +1,92 @@
+"""SGLang's own host pools on CPU, as its HiCache controller builds them (pin_memory off: no CUDA here), and its
+backend factory with the documented extra config. Imports SGLang: only for tests that skip without it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+__all__ = ["LAYERS", "PAGE", "backend", "extra_config", "fill", "host_pool", "model_dir"]
+
+LAYERS, PAGE, DEVICE_TOKENS = 2, 4, 64
+HEADS, HEAD_DIM = 2, 8
+KV_LORA_RANK, ROPE_DIM = 32, 8
+
+
+def _ptrs(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def host_pool(kind: str, layout: str, *, allocator: str = "shm", dtype: torch.dtype = torch.bfloat16) -> Any:
+    """An MHA or MLA host pool of SGLang's, over CPU "device" buffers, allocated by SGLang's own allocator."""
+    cpu = torch.device("cpu")
+    if kind == "mha":
+        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        buffers = KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v), layout=KVBufferLayout.NHD)
+        info = MHABufferInfo(
+            buffers=buffers, page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, dtype=dtype,
+            device=cpu,
+        )  # fmt: skip
+        return MHATokenToKVPoolHost(
+            info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+        )  # fmt: skip
+    rows = tuple(torch.zeros(DEVICE_TOKENS, 1, KV_LORA_RANK + ROPE_DIM, dtype=dtype) for _ in range(LAYERS))
+    minfo = MLABufferInfo(
+        buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS,
+        page_size=PAGE, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, kv_cache_dim=KV_LORA_RANK + ROPE_DIM,
+        dtype=dtype, device=cpu,
+    )  # fmt: skip
+    return MLATokenToKVPoolHost(
+        minfo, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
+    )  # fmt: skip
+
+
+def fill(pool: Any, seed: int) -> None:
+    """Random bytes in every page of the pool (a seed per writer, so ranks' pages differ)."""
+    generator = torch.Generator().manual_seed(seed)
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=generator))
+
+
+def model_dir(root: Path) -> Path:
+    """A model directory with only a config.json, as SGLang's model path."""
+    path = root / "tiny-model"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": LAYERS}))
+    return path
+
+
+def extra_config(socket: str, **more: Any) -> dict[str, Any]:
+    """The documented extra config (docs/sglang.md)."""
+    return {
+        "backend_name": "kvsidecar", "module_path": "kvsidecar_client.sglang", "class_name": "KVSidecarStorage",
+        "interface_v1": 1, "allocator": "shm", "socket": socket, **more,
+    }  # fmt: skip
+
+
+def backend(
+    pool: Any, model: str, extra: Mapping[str, Any], *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False
+) -> Any:
+    """The backend as SGLang attaches it: built by its factory's `dynamic` loader, then given the pool."""
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+        enable_storage_metrics=False, is_page_first_layout=pool.layout.startswith("page_first"), model_name=model,
+        extra_config=dict(extra),
+    )  # fmt: skip
+    storage = StorageBackendFactory.create_backend("dynamic", config, pool)
+    storage.register_mem_pool_host(pool)
+    storage.register_mem_host_pool_v2(pool, "kv")
+    storage.on_host_pools_registered()
+    return storage
