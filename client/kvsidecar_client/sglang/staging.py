@@ -51,7 +51,7 @@ class Staging:
     def tensors(self) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
         """What to register: every run of every pool (dim 0: the slots), and the group each serves."""
         tensors = [mine for runs in self._runs for mine, _ in runs]
-        groups = [(g,) for g, runs in enumerate(self._runs) for _ in runs]
+        groups: list[tuple[int, ...]] = [(g,) for g, runs in enumerate(self._runs) for _ in runs]
         return tensors, groups
 
     def gather(self, group: int, pages: torch.Tensor, first: int) -> None:
