@@ -26,30 +26,43 @@ def _ptrs(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
 
 
-def host_pool(kind: str, layout: str, *, allocator: str = "shm", dtype: torch.dtype = torch.bfloat16) -> Any:
-    """An MHA or MLA host pool of SGLang's, over CPU "device" buffers, allocated by SGLang's own allocator."""
+def host_pool(
+    kind: str,
+    layout: str,
+    *,
+    allocator: str = "shm",
+    dtype: torch.dtype = torch.bfloat16,
+    layers: int = LAYERS,
+    page: int = PAGE,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    tokens: int = DEVICE_TOKENS,
+    ratio: float = 2.0,
+) -> Any:
+    """An MHA or MLA host pool of SGLang's (ratio x tokens), over CPU "device" buffers of `tokens`, allocated by
+    SGLang's own allocator; MLA rows are KV_LORA_RANK + ROPE_DIM wide."""
     cpu = torch.device("cpu")
     if kind == "mha":
-        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+        v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
         buffers = KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v), layout=KVBufferLayout.NHD)
         info = MHABufferInfo(
-            buffers=buffers, page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, dtype=dtype,
+            buffers=buffers, page_size=page, head_num=heads, head_dim=head_dim, v_head_dim=head_dim, dtype=dtype,
             device=cpu,
         )  # fmt: skip
         return MHATokenToKVPoolHost(
-            info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", allocator_type=allocator,
-            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+            info, ratio, 0, page, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+            device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
         )  # fmt: skip
-    rows = tuple(torch.zeros(DEVICE_TOKENS, 1, KV_LORA_RANK + ROPE_DIM, dtype=dtype) for _ in range(LAYERS))
+    rows = tuple(torch.zeros(tokens, 1, KV_LORA_RANK + ROPE_DIM, dtype=dtype) for _ in range(layers))
     minfo = MLABufferInfo(
-        buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS,
-        page_size=PAGE, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, kv_cache_dim=KV_LORA_RANK + ROPE_DIM,
+        buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(layers)), device_layer_num=layers,
+        page_size=page, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, kv_cache_dim=KV_LORA_RANK + ROPE_DIM,
         dtype=dtype, device=cpu,
     )  # fmt: skip
     return MLATokenToKVPoolHost(
-        minfo, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", allocator_type=allocator,
-        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
+        minfo, ratio, 0, page, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+        device_capacity_tokens=tokens, start_layer=0, end_layer=layers, target_layer_num=layers,
     )  # fmt: skip
 
 
@@ -77,15 +90,23 @@ def extra_config(socket: str, **more: Any) -> dict[str, Any]:
 
 
 def backend(
-    pool: Any, model: str, extra: Mapping[str, Any], *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False
+    pool: Any,
+    model: str,
+    extra: Mapping[str, Any],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    name: str = "dynamic",
 ) -> Any:
-    """The backend as SGLang attaches it: built by its factory's `dynamic` loader, then given the pool."""
+    """A backend as SGLang attaches it: built by its factory (`dynamic`: our loader; or a built-in such as
+    `mooncake`), then given the pool."""
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=pool.layout.startswith("page_first"), model_name=model,
         extra_config=dict(extra),
     )  # fmt: skip
-    storage = StorageBackendFactory.create_backend("dynamic", config, pool)
+    storage = StorageBackendFactory.create_backend(name, config, pool)
     storage.register_mem_pool_host(pool)
     storage.register_mem_host_pool_v2(pool, "kv")
     storage.on_host_pools_registered()

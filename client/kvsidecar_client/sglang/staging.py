@@ -8,7 +8,9 @@ registers once, and copies a call's pages into it (saves) or out of it (loads): 
 SGLang's storage threads, never in a forward pass (docs/sglang.md says what it costs).
 
 The area is run-major: run r of every slot is one dense array, so a call's pages move with one gather or scatter
-per run, whatever the number of pages.
+per run, whatever the number of pages. Copies go through the widest integer view the run's offsets and sizes allow:
+torch copies rows of bytes element by element, and at 8 bytes an element it runs at memcpy speed (5 GiB/s here, 0.7
+for uint8 rows).
 """
 
 from __future__ import annotations
@@ -35,23 +37,32 @@ class Staging:
         self.slots = slots
         total = slots * sum(pool.page_bytes for pool, _ in pools)
         self._memory = shared_tensor((total,), torch.uint8)
-        # Per pool, per run: (this area's (slots, size) array, the pool's (pages, size) view of the same run).
+        # Per pool, per run: this area's (slots, size) bytes (registered), and the same run of this area and of the
+        # pool's (pages, size) in the widest integer elements they allow (copied through).
+        self._registered: list[list[torch.Tensor]] = []
         self._runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         start = 0
         for pool, buffer in pools:
             flat = buffer.reshape(-1).view(torch.uint8)
-            runs = []
+            registered, runs = [], []
             for run in pool.runs:
-                mine = self._memory[start : start + slots * run.size].view(slots, run.size)
-                theirs = flat.as_strided((pool.num_pages, run.size), (run.stride, 1), run.offset)
-                runs.append((mine, theirs))
+                unit = next(u for u in (8, 4, 2, 1) if not (run.offset | run.stride | run.size | start) % u)
+                dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[unit]
+                mine = self._memory[start : start + slots * run.size]
+                registered.append(mine.view(slots, run.size))
+                wide = flat[: flat.numel() - flat.numel() % unit].view(dtype)
+                theirs = wide.as_strided(
+                    (pool.num_pages, run.size // unit), (run.stride // unit, 1), run.offset // unit
+                )
+                runs.append((mine.view(dtype).view(slots, run.size // unit), theirs))
                 start += slots * run.size
+            self._registered.append(registered)
             self._runs.append(runs)
 
     def tensors(self) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
         """What to register: every run of every pool (dim 0: the slots), and the group each serves."""
-        tensors = [mine for runs in self._runs for mine, _ in runs]
-        groups: list[tuple[int, ...]] = [(g,) for g, runs in enumerate(self._runs) for _ in runs]
+        tensors = [mine for runs in self._registered for mine in runs]
+        groups: list[tuple[int, ...]] = [(g,) for g, runs in enumerate(self._registered) for _ in runs]
         return tensors, groups
 
     def gather(self, group: int, pages: torch.Tensor, first: int) -> None:
@@ -62,7 +73,14 @@ class Staging:
         for mine, theirs in self._runs[group]:
             torch.index_select(theirs, 0, pages, out=mine[first : first + count])
 
-    def scatter(self, group: int, pages: torch.Tensor, slots: torch.Tensor) -> None:
+    def scatter(self, group: int, pages: torch.Tensor, slots: Sequence[int]) -> None:
         """Copy slot slots[i] into the pool's page pages[i] (after a load), for the pages that loaded."""
+        import torch
+
+        if not slots:
+            return
+        together = list(slots) == list(range(slots[0], slots[0] + len(slots)))
+        index = torch.tensor(slots, dtype=torch.int64)
         for mine, theirs in self._runs[group]:
-            theirs.index_copy_(0, pages, mine.index_select(0, slots))
+            rows = mine[slots[0] : slots[0] + len(slots)] if together else mine.index_select(0, index)
+            theirs.index_copy_(0, pages, rows)

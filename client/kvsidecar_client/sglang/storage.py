@@ -192,8 +192,8 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                     continue
                 failed = {b - slots for b in result.failed_block_ids}
                 loaded = [i for i in range(count) if i not in failed]
-                index = torch.tensor(loaded, dtype=torch.int64)
-                self._staging.scatter(0, pages[start:stop].index_select(0, index), index + slots)
+                chunk = pages[start:stop].index_select(0, torch.tensor(loaded, dtype=torch.int64))
+                self._staging.scatter(0, chunk, [slots + i for i in loaded])
             for i in loaded:
                 out[start + i] = True
         return out
