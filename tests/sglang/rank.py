@@ -3,9 +3,10 @@
     python rank.py '{"socket": ..., "model": ..., "prefix": ..., "tp_rank": 0, "tp_size": 2, "job": "write"}'
 
 write: fills its MHA and MLA pools (a seed per rank; MLA the same on every rank, as its latent is) and stores
-PAGES pages of each, the MLA ones only where SGLang would (its is_storage_writer, rank 0); read: a fresh pool of its
-own loads every page into other slots and checks each byte against what the writer of that rank held; truncate:
-saves and loads in a loop while its own pool is truncated under it. Prints one JSON line.
+PAGES pages of each, the MLA ones only where SGLang would (its is_storage_writer, rank 0); read: for each rank of
+"tp_ranks", a fresh pool and backend of that rank load every page into other slots and check each byte against what
+the writer of that rank held; truncate: saves and loads in a loop while its own pool is truncated under it. Prints
+one JSON line.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def page_bytes(pool: object, page: int) -> bytes:
 
 
 def main(job: dict) -> dict:
+    if job["job"] == "read":  # one fresh process may read as every rank (each a session of its own)
+        return {str(rank): run({**job, "tp_rank": rank}) for rank in job["tp_ranks"]}
+    return run(job)
+
+
+def run(job: dict) -> dict:
     rank, size = job["tp_rank"], job["tp_size"]
     extra = extra_config(job["socket"], cache_prefix=job["prefix"], staging_pages=4)
     out: dict = {}

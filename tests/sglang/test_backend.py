@@ -84,11 +84,11 @@ def test_two_tp_ranks_write_and_fresh_processes_read_every_page(daemon, cache_pr
     writers = _results([_rank({**job, "tp_rank": r, "job": "write"}) for r in (0, 1)])
     assert writers[0] == {"mha": {"set": [True] * 6}, "mla": {"set": [True] * 6}}
     assert writers[1] == {"mha": {"set": [True] * 6}, "mla": {"set": []}}  # not an MLA storage writer
-    readers = _results([_rank({**job, "tp_rank": r, "job": "read"}) for r in (0, 1)])
-    for rank, got in enumerate(readers):
+    (readers,) = _results([_rank({**job, "tp_ranks": [0, 1], "job": "read"})])
+    for rank in ("0", "1"):
         for kind in ("mha", "mla"):
             # Each rank reads its own MHA heads (rank 1 its own seed's bytes) and rank 0's MLA latent.
-            assert got[kind] == {"get": [True] * 6, "exact": [True] * 6, "exists": 6}, (rank, kind)
+            assert readers[rank][kind] == {"get": [True] * 6, "exact": [True] * 6, "exists": 6}, (rank, kind)
     after = daemon.requests_by_method()
     # The daemon counted the SGLang sessions' calls as any session's (its metrics, per method).
     for method in ("Save", "Load", "Lookup"):
