@@ -48,6 +48,6 @@ import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backen
 import sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.pool_host.mla, sglang.srt.mem_cache.pool_host.mamba
 import sglang.srt.mem_cache.storage.mmap.mmap_allocator
 sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') and not torch.cuda.is_available() else
-         'setup-sglang: torch ' + torch.__version__ + ' is not the CPU build')" 2>/dev/null
+         'setup-sglang: torch ' + torch.__version__ + ' is not the CPU build')"
 
 echo "setup-sglang: $VENV ready (sglang $SGLANG_VERSION, $(du -sh "$VENV" 2>/dev/null | cut -f1), $((SECONDS - start)) s)"
