@@ -9,13 +9,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+from sglang.srt.mem_cache.device_pool_info import (
+    KVBufferLayout,
+    KVBuffers,
+    MambaStateBufferInfo,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-__all__ = ["LAYERS", "PAGE", "backend", "extra_config", "fill", "host_pool", "model_dir"]
+from kvsidecar_client.sglang.pages import pool_buffers
+
+__all__ = ["LAYERS", "PAGE", "backend", "extra_config", "fill", "host_pool", "mamba_pool", "model_dir", "page_bytes"]
 
 LAYERS, PAGE, DEVICE_TOKENS = 2, 4, 64
 HEADS, HEAD_DIM = 2, 8
@@ -66,11 +75,29 @@ def host_pool(
     )  # fmt: skip
 
 
+def mamba_pool(*, allocator: str = "shm", layers: int = LAYERS, slots: int = 8) -> Any:
+    """A Mamba state host pool of SGLang's (2 x slots state slots) over CPU "device" states of `slots`: a Mamba2-like
+    temporal state (heads, head dim, state) in fp32 and one conv state (window, channels) in bf16 per layer."""
+    temporal = torch.zeros(layers, slots, 2, 4, 8, dtype=torch.float32)
+    conv = (torch.zeros(layers, slots, 3, 24, dtype=torch.bfloat16),)
+    info = MambaStateBufferInfo(temporal=temporal, conv=conv)
+    return MambaPoolHost(
+        info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", allocator_type=allocator,
+        layout="page_first",
+    )  # fmt: skip
+
+
 def fill(pool: Any, seed: int) -> None:
     """Random bytes in every page of the pool (a seed per writer, so ranks' pages differ)."""
     generator = torch.Generator().manual_seed(seed)
-    flat = pool.kv_buffer.view(-1).view(torch.uint8)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=generator))
+    for buffer in pool_buffers(pool):
+        flat = buffer.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=generator))
+
+
+def page_bytes(pool: Any, page: int) -> bytes:
+    """Page `page` of a pool as SGLang's own get_data_page flattens it (a Mamba pool's page is one state slot)."""
+    return bytes(pool.get_data_page(page * pool.page_size).view(torch.uint8).numpy())
 
 
 def model_dir(root: Path) -> Path:
@@ -98,9 +125,10 @@ def backend(
     tp_size: int = 1,
     mla: bool = False,
     name: str = "dynamic",
+    side_pools: Mapping[str, Any] | None = None,
 ) -> Any:
     """A backend as SGLang attaches it: built by its factory (`dynamic`: our loader; or a built-in such as
-    `mooncake`), then given the pool."""
+    `mooncake`), then given the pool and, as the hybrid cache controller does, each side pool by name."""
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=pool.layout.startswith("page_first"), model_name=model,
@@ -109,5 +137,7 @@ def backend(
     storage = StorageBackendFactory.create_backend(name, config, pool)
     storage.register_mem_pool_host(pool)
     storage.register_mem_host_pool_v2(pool, "kv")
+    for pool_name, side in (side_pools or {}).items():
+        storage.register_mem_host_pool_v2(side, pool_name)
     storage.on_host_pools_registered()
     return storage

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,27 +18,12 @@ HERE = Path(__file__).resolve().parent
 RANK_TIMEOUT_S = 240
 
 
-def _rank(job: dict) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-W", "ignore", str(HERE / "rank.py"), json.dumps(job)],
-        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+def _in_place(pool: object) -> bool:
+    """Whether the pool's buffer now lives in a sealed memfd of the rank's own, at the address SGLang mapped."""
+    from kvsidecar_client.memory import segment_of
 
-
-def _results(procs: list[subprocess.Popen[str]]) -> list[dict]:
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=RANK_TIMEOUT_S)
-        assert proc.returncode == 0, f"rank failed ({proc.returncode}): {stderr[-3000:]}"
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pools import model_dir
-
-    return str(model_dir(tmp_path_factory.mktemp("model")))
+    segment = segment_of(pool.kv_buffer)  # type: ignore[attr-defined]
+    return segment is not None and segment.sealed
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -48,20 +32,24 @@ def test_pages_round_trip_byte_exact_and_exists_counts_the_stored_prefix(daemon,
     import torch
     from pools import PAGE, backend, extra_config, fill, host_pool
 
-    extra = extra_config(daemon.target, cache_prefix=cache_prefix, staging_pages=3)
     keys = [f"{0xB0 + i:064x}" for i in range(5)]
     missing = f"{0xFF:064x}"
     writer_pool = host_pool(kind, layout)
     fill(writer_pool, 7)
-    writer = backend(writer_pool, model, extra, mla=kind == "mla")
+    address = writer_pool.kv_buffer.data_ptr()
+    # The writer's pool is shared in place (zero-copy), the reader's copied through its staging area (three pages
+    # for five: two turns): each path reads what the other wrote.
+    writer = backend(writer_pool, model, extra_config(daemon.target, cache_prefix=cache_prefix), mla=kind == "mla")
     reader_pool = host_pool(kind, layout)
-    reader = backend(reader_pool, model, extra, mla=kind == "mla")
+    reader_extra = extra_config(daemon.target, cache_prefix=cache_prefix, zero_copy=False, staging_pages=3)
+    reader = backend(reader_pool, model, reader_extra, mla=kind == "mla")
     try:
         assert type(writer).__name__ == "KVSidecarStorage"
+        assert _in_place(writer_pool) and writer_pool.kv_buffer.data_ptr() == address
+        assert not _in_place(reader_pool)
         assert reader.batch_exists(keys) == 0
         write_pages, read_pages = [6, 1, 8, 3, 10], [20, 15, 25, 12, 30]
         written = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in write_pages])
-        # Five pages through a three-page staging area: two turns.
         assert writer.batch_set_v1(keys, written) == [True] * 5
         assert writer.batch_set_v1(keys, written) == [True] * 5  # already stored: skipped, still True
         assert reader.batch_exists(keys) == 5
@@ -73,18 +61,33 @@ def test_pages_round_trip_byte_exact_and_exists_counts_the_stored_prefix(daemon,
         for w, r in zip(write_pages, read_pages, strict=True):
             got = reader_pool.get_data_page(r * PAGE).view(torch.uint8)
             assert torch.equal(got, writer_pool.get_data_page(w * PAGE).view(torch.uint8)), f"page {w} -> {r}"
+        # And back: the pool shared in place loads what the staged one wrote.
+        assert reader.batch_set_v1(keys[:2], torch.arange(0, 2 * PAGE)) == [True, True]
+        assert writer.batch_get_v1(keys[:2], torch.arange(2 * PAGE, 4 * PAGE)) == [True, True]
+        assert (
+            writer_pool.get_data_page(2 * PAGE)
+            .view(torch.uint8)
+            .equal(writer_pool.get_data_page(6 * PAGE).view(torch.uint8))
+        )
     finally:
         writer.close()
         reader.close()
 
 
-def test_two_tp_ranks_write_and_fresh_processes_read_every_page(daemon, cache_prefix, model):
+def test_two_tp_ranks_write_and_a_fresh_process_reads_every_page(daemon, cache_prefix, model):
+    from rank import write_pages
+
     before = daemon.requests_by_method()
     job = {"socket": daemon.target, "model": model, "prefix": cache_prefix, "tp_size": 2}
-    writers = _results([_rank({**job, "tp_rank": r, "job": "write"}) for r in (0, 1)])
-    assert writers[0] == {"mha": {"set": [True] * 6}, "mla": {"set": [True] * 6}}
-    assert writers[1] == {"mha": {"set": [True] * 6}, "mla": {"set": []}}  # not an MLA storage writer
-    (readers,) = _results([_rank({**job, "tp_ranks": [0, 1], "job": "read"})])
+    # Rank 0 and rank 1 write here (each a session of its own); a process that never held the pools reads.
+    assert write_pages(job, 0) == {"mha": [True] * 6, "mla": [True] * 6}
+    assert write_pages(job, 1) == {"mha": [True] * 6, "mla": []}  # not an MLA storage writer
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(HERE / "rank.py"), json.dumps({**job, "tp_ranks": [0, 1]})],
+        cwd=HERE, capture_output=True, text=True, timeout=RANK_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"reader failed ({proc.returncode}): {proc.stderr[-3000:]}"
+    readers = json.loads(proc.stdout.strip().splitlines()[-1])
     for rank in ("0", "1"):
         for kind in ("mha", "mla"):
             # Each rank reads its own MHA heads (rank 1 its own seed's bytes) and rank 0's MLA latent.
@@ -95,32 +98,38 @@ def test_two_tp_ranks_write_and_fresh_processes_read_every_page(daemon, cache_pr
         assert after.get(method, 0) > before.get(method, 0), method
 
 
-def test_a_pool_truncated_under_transfers_kills_only_its_engine(daemon, cache_prefix, model):
+def test_truncating_sglangs_own_memfd_reaches_nobody_and_the_new_one_cannot_shrink(daemon, cache_prefix, model):
     import torch
-    from pools import PAGE, backend, extra_config, fill, host_pool
+    from pools import PAGE, backend, extra_config, fill, host_pool, page_bytes
 
-    proc = _rank({"socket": daemon.target, "model": model, "prefix": cache_prefix, "tp_size": 1, "tp_rank": 0,
-                  "job": "truncate"})  # fmt: skip
-    _, stderr = proc.communicate(timeout=RANK_TIMEOUT_S)
-    # The engine's own copy out of its truncated pool faults; the daemon never mapped that pool.
-    assert proc.returncode == -signal.SIGBUS, stderr[-3000:]
-    assert daemon.alive()
-    extra = extra_config(daemon.target, cache_prefix=cache_prefix + "-other")
+    from kvsidecar_client.memory import segment_of
+
     pool = host_pool("mha", "page_first")
     fill(pool, 3)
-    other = backend(pool, model, extra)
+    before = [page_bytes(pool, p) for p in range(2)]
+    storage = backend(pool, model, extra_config(daemon.target, cache_prefix=cache_prefix))
     try:
         keys = [f"{0xC0 + i:064x}" for i in range(2)]
-        assert other.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
-        assert other.batch_get_v1(keys, torch.arange(4 * PAGE, 6 * PAGE)) == [True, True]
-        assert torch.equal(pool.get_data_page(0).view(torch.uint8), pool.get_data_page(4 * PAGE).view(torch.uint8))
+        assert storage.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
+        # SGLang's memfd backs nothing any more: its pages went with the move, and shrinking it touches no mapping.
+        assert os.fstat(pool.fd).st_blocks == 0
+        os.ftruncate(pool.fd, 0)
+        assert [page_bytes(pool, p) for p in range(2)] == before
+        # The memfd the pool lives in now is sealed: not even its owner can shrink it under the daemon.
+        segment = segment_of(pool.kv_buffer)
+        assert segment is not None
+        with pytest.raises(PermissionError):
+            os.ftruncate(segment.fd, 0)
+        assert storage.batch_get_v1(keys, torch.arange(4 * PAGE, 6 * PAGE)) == [True, True]
+        assert [page_bytes(pool, p) for p in (4, 5)] == before
     finally:
-        other.close()
+        storage.close()
+    assert daemon.alive()
     assert daemon.status(quiet=True).returncode == 0
 
 
 def test_the_daemon_refuses_sglangs_pool_memfd_itself(daemon, cache_prefix, model):
-    # Why the backend stages: registering SGLang's own memfd is refused (it can never be sealed against shrinking).
+    # Why the pool moves: registering SGLang's own memfd is refused (it can never be sealed against shrinking).
     from pools import host_pool
 
     from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
@@ -144,10 +153,9 @@ def test_the_daemon_refuses_sglangs_pool_memfd_itself(daemon, cache_prefix, mode
         client.close()
 
 
-def test_a_second_tenant_gets_nothing(daemon, cache_prefix, model, tmp_path):
+def test_another_namespace_gets_nothing_and_an_ungranted_prefix_is_refused(daemon, cache_prefix, model):
     import torch
     from pools import PAGE, backend, extra_config, fill, host_pool
-    from sidecar_daemon import Daemon
 
     from kvsidecar_client.errors import PermissionDenied
 
@@ -160,20 +168,12 @@ def test_a_second_tenant_gets_nothing(daemon, cache_prefix, model, tmp_path):
     )
     try:
         assert mine.batch_set_v1(keys, torch.arange(0, 3 * PAGE)) == [True] * 3
-        # Another tenant's namespace (its cache prefix) holds none of it.
+        # Another deployment's namespace (its cache prefix) holds none of it.
         assert theirs.batch_exists(keys) == 0
         assert theirs.batch_get_v1(keys, torch.arange(8 * PAGE, 11 * PAGE)) == [False] * 3
     finally:
         mine.close()
         theirs.close()
-    # With a tenants file, a prefix the tenant was not granted is refused at attach: rights are off unless granted.
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'[tenants.alpha]\nuids = [{os.getuid()}]\nprefixes = ["alpha"]\n')
-    guarded = Daemon(tmp_path / "d", extra=("--tenants", str(tenants), "--trust-local-accounts"))
-    (tmp_path / "d").mkdir()
-    guarded.start()
-    try:
-        with pytest.raises(PermissionDenied):
-            backend(host_pool("mha", "page_first"), model, extra_config(guarded.target, cache_prefix="beta"))
-    finally:
-        guarded.stop()
+    # The daemon's tenants file grants this account the prefixes t*: rights are off unless granted.
+    with pytest.raises(PermissionDenied):
+        backend(host_pool("mha", "page_first"), model, extra_config(daemon.target, cache_prefix="beta"))

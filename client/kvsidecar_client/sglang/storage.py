@@ -1,47 +1,42 @@
 """`KVSidecarStorage`: SGLang's HiCache L3 tier in the node's kvsidecar daemon, loaded by the `dynamic` backend.
 
-SGLang's factory constructs it with the storage config alone; the host pool arrives in `register_mem_pool_host`
-(again in `register_mem_host_pool_v2(pool, "kv")`), and the session opens once the pools are known
-(`on_host_pools_registered`, or the first call). A page is a block of the session: SGLang's page hashes are its
-block hashes, the host pool's page index its block id, so keys come from the daemon's placement as for vLLM and
-the daemon decides which rank writes what. Pages travel through a sealed staging area of the rank's own
-(`staging.py` says why), zero-copy between that area and the store.
+SGLang's factory constructs it with the storage config alone; the host pools arrive in `register_mem_pool_host`
+(the KV pool, again in `register_mem_host_pool_v2(pool, "kv")`) and, for a hybrid model, `register_mem_host_pool_v2`
+(its Mamba or sliding-window pool); each is shared with the daemon in place as it arrives (sharing.py), and the
+session opens once the pools are known (`on_host_pools_registered`, or the first call), one group per pool
+(groups.py). A page is a block of the session: SGLang's page hashes are its block hashes, the pool's page index its
+block id, so keys come from the daemon's placement as for vLLM and the daemon decides which rank writes what.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from kvsidecar_client.client import SidecarClient
-from kvsidecar_client.errors import InvalidRequest, SidecarError
-from kvsidecar_client.layout import EngineLayout, GroupSpec
-from kvsidecar_client.results import Hit
-from kvsidecar_client.sglang.pages import PagePool, page_pool, value_identity
+from kvsidecar_client.errors import InvalidRequest
+from kvsidecar_client.sglang.blocks import PageMemory
+from kvsidecar_client.sglang.groups import model_window, session_shape
+from kvsidecar_client.sglang.pages import PagePool, page_pool, pool_buffers, value_identity
+from kvsidecar_client.sglang.paging import HASH_BYTES, PageCalls
 from kvsidecar_client.sglang.settings import StorageSettings
-from kvsidecar_client.sglang.staging import Staging
+from kvsidecar_client.sglang.sharing import share_pool
 
 __all__ = ["KVSidecarStorage"]
 
 logger = logging.getLogger(__name__)
-
-_HASH_BYTES = 32  # SGLang's page hashes are SHA-256 hex strings
-
-
-def block_hash(key: str) -> bytes:
-    """The daemon's block hash of one SGLang page key: its SHA-256 bytes (any other string is hashed to 32 bytes)."""
-    if len(key) == 2 * _HASH_BYTES:
-        try:
-            return bytes.fromhex(key)
-        except ValueError:
-            pass
-    return hashlib.sha256(key.encode()).digest()
 
 
 class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
@@ -57,162 +52,201 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             )
         if not storage_config.model_name:
             raise InvalidRequest("KVSidecarStorage needs the model's name (SGLang's model path) in its storage config")
-        self._pools: dict[str, Any] = {}
+        # SGLang's pool name -> (the pool, its pages, shared in place), in the order they came.
+        self._pools: dict[str, tuple[Any, PagePool, bool]] = {}
         self._lock = threading.Lock()
         self._client: SidecarClient | None = None
-        self._pages: list[PagePool] = []
-        self._staging: Staging | None = None
-        self._save_lock = threading.Lock()
-        self._load_lock = threading.Lock()
+        self._calls: PageCalls | None = None
+        self._groups: dict[str, int] = {}
+        self._window_pages = 0
 
     # ---- pools and the session ----
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The anchor pool (KV): registered with the daemon once, with the session."""
+        """The anchor pool (KV): shared with the daemon now, registered with the session."""
         super().register_mem_pool_host(mem_pool_host)
         self._add_pool("kv", mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """A pool of the hybrid cache by name; the anchor pool again under "kv" is the same registration."""
+        """A pool of the hybrid cache by name (the anchor pool again under "kv" is the same registration)."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self._add_pool(str(host_pool_name), host_pool)
 
     def on_host_pools_registered(self) -> None:
-        """Every pool is known: open the session and register the staging memory now, so a bad setup fails the
-        attach instead of the first transfer."""
+        """Every pool is known: open the session and register the memory now, so a bad setup fails the attach
+        instead of the first transfer."""
         self._session()
 
     def _add_pool(self, name: str, pool: Any) -> None:
         with self._lock:
-            if self._pools.get(name) is pool:
+            known = self._pools.get(name)
+            if known is not None and known[0] is pool:
                 return
             if self._client is not None:
                 raise InvalidRequest(f"host pool {name!r} came after the session opened: attach the backend again")
-            if name in self._pools:
+            if known is not None:
                 raise InvalidRequest(f"a second host pool named {name!r}")
-            self._pools[name] = pool
+            pages = page_pool(name, pool)  # refuses a pool it cannot store, with the reason, at the attach
+            # SGLang registers pools on its control path, with nothing in flight (sharing.py): the one time a pool
+            # may move.
+            why = share_pool(pool, pool_buffers(pool)) if self._settings.zero_copy else "zero_copy is false"
+            if why is not None:
+                logger.info("kvsidecar: host pool %s is copied through the staging area: %s", name, why)
+            self._pools[name] = (pool, pages, why is None)
 
-    def _session(self) -> SidecarClient:
+    def _session(self) -> PageCalls:
         with self._lock:
-            if self._client is not None:
-                return self._client
+            if self._calls is not None:
+                return self._calls
             if "kv" not in self._pools:
                 raise InvalidRequest("no KV host pool registered (register_mem_pool_host)")
-            kv = self._pools["kv"]
-            pages = [page_pool(kv)]
+            names = ["kv", *(n for n in self._pools if n != "kv")]
+            entries = [self._pools[n] for n in names]
+            pages = [entry[1] for entry in entries]
             config = self._config
-            mla = pages[0].kind == "mla"
-            # MLA's latent is the same bytes on every TP rank, and SGLang writes it from one rank only (its
-            # is_storage_writer): every rank is a TP=1 engine of it, one namespace that rank fills alone.
-            tp_size, tp_rank = (1, 0) if mla else (config.tp_size, config.tp_rank)
-            layout = EngineLayout(tp_size=tp_size, tp_rank=tp_rank, pp_size=config.pp_size, pp_rank=config.pp_rank)
-            identity = value_identity(str(config.model_name), pages, pinned=self._settings.model_identity)
+            model = str(config.model_name)
+            shape = session_shape(
+                pages,
+                tp_size=config.tp_size,
+                tp_rank=config.tp_rank,
+                pp_size=config.pp_size,
+                pp_rank=config.pp_rank,
+                window=self._window(model, pages),
+            )
+            identity = value_identity(model, pages, pinned=self._settings.model_identity)
             client = SidecarClient.connect(
                 self._settings.socket,
-                model=str(config.model_name),
-                layout=layout,
-                num_kv_heads=pages[0].heads * tp_size,
-                hash_block_size=pages[0].page_size,
-                groups=[GroupSpec(p.kind, p.page_size) for p in pages],
+                model=model,
+                layout=shape.layout,
+                num_kv_heads=shape.num_kv_heads,
+                hash_block_size=shape.page_tokens,
+                groups=shape.groups,
                 cache_prefix=self._settings.cache_prefix,
                 value_identity=identity,
-                hash_bytes=_HASH_BYTES,
+                hash_bytes=HASH_BYTES,
                 deadlines=self._settings.deadlines,
             )
             try:
-                # Saves use slots (block ids) 0..n-1 and loads n..2n-1, so a save and a load can run side by side.
-                self._staging = Staging([(pages[0], kv.kv_buffer)], 2 * self._settings.staging_pages)
-                client.register(*self._staging.tensors())
+                memory = PageMemory(
+                    [(entry[1], pool_buffers(entry[0])) for entry in entries],
+                    [entry[2] for entry in entries],
+                    self._settings.staging_pages,
+                )
+                client.register(*memory.tensors())
+                calls = PageCalls(client, memory, shape.page_tokens)
             except BaseException:
                 client.close()
                 raise
             logger.info(
-                "kvsidecar: session open on %s, %s pages of %d tokens (%d bytes each), value identity %s",
+                "kvsidecar: session open on %s: %s, pages of %d tokens, value identity %s",
                 self._settings.socket,
-                pages[0].kind,
-                pages[0].page_size,
-                pages[0].page_bytes,
+                ", ".join(f"{p.name} {p.kind} ({p.page_bytes} bytes, {'in place' if e[2] else 'staged'})"
+                          for p, e in zip(pages, entries, strict=True)),
+                shape.page_tokens,
                 identity,
-            )
-            self._pages = pages
-            self._client = client
-            return client
+            )  # fmt: skip
+            self._client, self._calls = client, calls
+            self._groups = {name: g for g, name in enumerate(names)}
+            self._window_pages = shape.window_pages
+            return calls
 
-    # ---- v1: pages by host index ----
+    def _window(self, model: str, pages: Sequence[PagePool]) -> int:
+        """SGLang's restored sliding-window tokens: the extra config's, else the model's (only a window pool asks)."""
+        if self._settings.sliding_window or not any(p.kind.startswith("sliding") for p in pages):
+            return self._settings.sliding_window
+        return model_window(model)
+
+    # ---- v1: KV pages by host index ----
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        """Store each key's page; True where the page is stored (written now or already there)."""
-        client = self._session()
-        pages = self._page_ids(keys, host_indices)
-        if pages is None:
-            return [False] * len(keys)
-        out = [False] * len(keys)
-        page_size = self._pages[0].page_size
-        for start, stop in self._chunks(len(keys)):
-            hashes = [block_hash(k) for k in keys[start:stop]]
-            count = stop - start
-            with self._save_lock:
-                assert self._staging is not None
-                self._staging.gather(0, pages[start:stop], 0)
-                try:
-                    result = client.save(hashes, [list(range(count))], count * page_size).result()
-                except SidecarError as error:
-                    logger.warning("kvsidecar: saving %d pages failed: %s", count, error)
-                    continue
-            failed = {f.block_id for f in result.failures}
-            out[start:stop] = [i not in failed for i in range(count)]
-        return out
+        """Store each key's KV page; True where the page is stored (written now or already there)."""
+        calls = self._session()
+        pages = self._page_ids("kv", keys, host_indices)
+        return [False] * len(keys) if pages is None else calls.save(0, keys, pages)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        """Load each key's page into the host pool; False where it is not stored (SGLang keeps the leading Trues)."""
-        client = self._session()
-        pages = self._page_ids(keys, host_indices)
-        if pages is None:
-            return [False] * len(keys)
-        out = [False] * len(keys)
-        page_size = self._pages[0].page_size
-        slots = self._settings.staging_pages
-        for start, stop in self._chunks(len(keys)):
-            hashes = [block_hash(k) for k in keys[start:stop]]
-            count = stop - start
-            tokens = count * page_size
-            with self._load_lock:
-                assert self._staging is not None
-                try:
-                    # Whole pages, each under its own end boundary: the hit a lookup of these pages would answer.
-                    result = client.load_detailed(
-                        hashes, [list(range(slots, slots + count))], Hit(tokens, (tokens,) * len(self._pages))
-                    )
-                except SidecarError as error:
-                    logger.warning("kvsidecar: loading %d pages failed: %s", count, error)
-                    continue
-                failed = {b - slots for b in result.failed_block_ids}
-                loaded = [i for i in range(count) if i not in failed]
-                chunk = pages[start:stop].index_select(0, torch.tensor(loaded, dtype=torch.int64))
-                self._staging.scatter(0, chunk, [slots + i for i in loaded])
-            for i in loaded:
-                out[start + i] = True
-        return out
+        """Load each key's KV page into the host pool; False where it is not stored (SGLang keeps the leading
+        Trues)."""
+        calls = self._session()
+        pages = self._page_ids("kv", keys, host_indices)
+        return [False] * len(keys) if pages is None else calls.load(0, keys, pages)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Pages of the longest stored prefix of keys, from the daemon's staged lookup (every TP rank's share)."""
-        if not keys:
-            return 0
-        client = self._session()
-        page_size = self._pages[0].page_size
-        # One token past the pages: the daemon never serves a prompt's last token, and here every page is whole.
-        hit = client.lookup([block_hash(k) for k in keys], len(keys) * page_size + 1)
-        if hit.degraded:
-            logger.warning("kvsidecar: lookup degraded to a miss: %s", hit.detail)
-        return hit.hit_tokens // page_size
+        """Pages of the longest stored prefix of keys, from the daemon's staged lookup (every TP rank's share, every
+        pool of a hybrid)."""
+        return self._session().lookup(keys)
 
     def exists(self, key: str) -> bool:
         """Whether one page is stored."""
         return self.batch_exists([key]) == 1
+
+    # ---- v2: the hybrid cache's pools ----
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest prefix of keys every pool can serve: the daemon asks every group (its KV pages, the window's
+        last pages, a Mamba state at exactly the end), whichever pools the call names."""
+        calls = self._session()
+        for transfer in pool_transfers or []:
+            problem = self._trailing_problem(transfer)
+            if problem is not None:
+                logger.error("kvsidecar: answering a miss: %s", problem)
+                return PoolTransferResult(0, {}, [])
+        pages = calls.lookup(keys)
+        # One stop point: the daemon's quorum already holds every rank's share, so every rank answers the same.
+        return PoolTransferResult(pages, {}, [pages] if pages else [])
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Load each transfer's pages into its pool; per pool, True per page loaded."""
+        return self._transfer_v2(transfers, load=True)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's pages of its pool; per pool, True per page stored."""
+        return self._transfer_v2(transfers, load=False)
+
+    def _transfer_v2(self, transfers: Sequence[PoolTransfer], *, load: bool) -> dict[str, list[bool]]:
+        calls = self._session()
+        out: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            name, keys = str(transfer.name), list(transfer.keys or [])
+            pages = self._page_ids(name, keys, transfer.host_indices) if name in self._groups else None
+            if pages is None:
+                out[name] = [False] * len(keys)
+            elif load:
+                out[name] = calls.load(self._groups[name], keys, pages)
+            else:
+                out[name] = calls.save(self._groups[name], keys, pages)
+        return out
+
+    def _trailing_problem(self, transfer: PoolTransfer) -> str | None:
+        """Why the daemon's rule for a pool would not answer SGLang's hit policy for it, or None."""
+        name, count = str(transfer.name), len(transfer.keys or []) or 1
+        if name not in self._groups:
+            return f"pool {name!r} is not registered with this backend"
+        kind = self._pools[name][1].kind
+        if name == "kv":
+            return None
+        if transfer.hit_policy != PoolHitPolicy.TRAILING_PAGES:
+            return f"pool {name!r} asks {transfer.hit_policy}, not its trailing pages"
+        wanted = self._window_pages if kind != "mamba" else 1
+        if count != wanted:
+            return (
+                f"pool {name!r} asks its last {count} pages, the session's {kind} group needs {wanted}: set "
+                "sliding_window in the extra config to SGLang's swa_retain_window"
+            )
+        return None
 
     # ---- SGLang's calls by value, which only a backend without "interface_v1" gets ----
 
@@ -238,34 +272,32 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
 
     def clear(self) -> bool:
         """Remove every page of this model under this cache prefix from the store."""
-        removed = self._session().reset()
+        self._session()
+        assert self._client is not None
+        removed = self._client.reset()
         logger.info("kvsidecar: cleared %d stored pages", removed)
         return True
 
     def close(self) -> None:
-        """End the session (SGLang detaches the backend)."""
+        """End the session (SGLang detaches the backend); the pools stay shared in place for a later attach."""
         with self._lock:
-            client, self._client = self._client, None
+            client, self._client, self._calls = self._client, None, None
         if client is not None:
             client.close()
 
     # ---- input ----
 
-    def _chunks(self, count: int) -> list[tuple[int, int]]:
-        step = self._settings.staging_pages
-        return [(start, min(start + step, count)) for start in range(0, count, step)]
-
-    def _page_ids(self, keys: Sequence[str], host_indices: torch.Tensor) -> torch.Tensor | None:
-        """The host pool's page of each key (key i's page starts at host_indices[i * page_size]), or None."""
-        page_size = self._pages[0].page_size
-        if host_indices.numel() != len(keys) * page_size:
-            logger.error(
-                "kvsidecar: %d host indices for %d keys of %d-token pages", host_indices.numel(), len(keys), page_size
-            )
+    def _page_ids(self, name: str, keys: Sequence[str], host_indices: torch.Tensor | None) -> torch.Tensor | None:
+        """The pool's page of each key (key i's page starts at host_indices[i * page_size]), or None."""
+        page_size = self._pools[name][1].page_size
+        if host_indices is None or host_indices.numel() != len(keys) * page_size:
+            count = 0 if host_indices is None else host_indices.numel()
+            logger.error("kvsidecar: %d host indices for %d keys of %d-slot pages of %s", count, len(keys),
+                         page_size, name)  # fmt: skip
             return None
-        starts = host_indices.reshape(-1)[::page_size].to(torch.int64)
+        starts = host_indices.reshape(-1)[::page_size].to(device="cpu", dtype=torch.int64)
         if bool((starts % page_size).any()):
-            logger.error("kvsidecar: host indices do not start pages")
+            logger.error("kvsidecar: host indices of %s do not start pages", name)
             return None
         return starts // page_size
 

@@ -19,6 +19,7 @@ def test_the_documented_flag_set_parses():
     )
     assert settings.socket == "unix:///run/s.sock" and settings.cache_prefix == "team"
     assert settings.deadlines.lookup == 1.0 and settings.staging_pages == DEFAULT_STAGING_PAGES
+    assert settings.zero_copy and settings.sliding_window == 0
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,8 @@ def test_the_documented_flag_set_parses():
         ({"staging_pages": 0}, "staging_pages"),
         ({"staging_pages": True}, "staging_pages"),
         ({"cache_prefix": 3}, "must be strings"),
+        ({"zero_copy": "yes"}, "zero_copy must be true or false"),
+        ({"sliding_window": -1}, "sliding_window must be an int"),
     ],
 )
 def test_a_bad_key_or_value_is_refused_with_the_reason(extra, reason):
