@@ -177,3 +177,34 @@ def test_another_namespace_gets_nothing_and_an_ungranted_prefix_is_refused(daemo
     # The daemon's tenants file grants this account the prefixes t*: rights are off unless granted.
     with pytest.raises(PermissionDenied):
         backend(host_pool("mha", "page_first"), model, extra_config(daemon.target, cache_prefix="beta"))
+
+
+def test_a_save_publishes_its_pages_with_their_parent_and_no_tokens(daemon, cache_prefix, model):
+    import msgspec
+    import torch
+    from pools import PAGE, backend, extra_config, fill, host_pool
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from kvsidecar.events.messages import KVEventBatch
+    from support.kv_subscriber import KvSubscriber, stored_hashes
+
+    sub = KvSubscriber(*daemon.events, "kvsidecar.sglang", msgspec.msgpack.Decoder(KVEventBatch).decode)
+    pool = host_pool("mha", "page_first")
+    fill(pool, 11)
+    storage = backend(pool, model, extra_config(daemon.target, cache_prefix=cache_prefix))
+    try:
+        # A child radix node's pages: the chain before them comes as prefix_keys (SGLang's extra_info).
+        chain = [f"{0x5A0 + i:064x}" for i in range(5)]
+        info = HiCacheStorageExtraInfo(prefix_keys=chain[:2])
+        assert storage.batch_set_v1(chain[2:], torch.arange(0, 3 * PAGE), info) == [True] * 3
+        # The topic's earlier messages (other tests' saves) come too, from the replay socket.
+        ours = [bytes.fromhex(k) for k in chain[2:]]
+        batches = sub.collect(lambda bs: set(ours) <= set(stored_hashes(bs)))
+    finally:
+        storage.close()
+        sub.close()
+    (event,) = [e for b in batches for e in b.events if set(getattr(e, "block_hashes", ())) & set(ours)]
+    assert event.block_hashes == ours
+    # Its parent is the page before it in the chain, not the start of a prompt; SGLang's calls carry no tokens.
+    assert (event.parent_block_hash, event.token_ids) == (bytes.fromhex(chain[1]), [])
+    assert (event.block_size, event.kv_cache_spec_kind) == (PAGE, "full_attention")

@@ -54,15 +54,21 @@ class PageCalls:
         self._spans = Spans.of(client.spec.to_placement())
         self._groups = len(self._spans.groups)
 
-    def save(self, group: int, keys: Sequence[str], pages: torch.Tensor) -> list[bool]:
+    def save(self, group: int, keys: Sequence[str], pages: torch.Tensor, parent: str | None = None) -> list[bool]:
         """Store each key's page of the group; True where it is stored (written now, already there, or another
-        rank's to write)."""
+        rank's to write). parent: the key before keys[0] in its chain, where SGLang says it."""
         out = [False] * len(keys)
         for start, stop in self._chunks(group, len(keys)):
-            hashes = [block_hash(k) for k in keys[start:stop]]
+            before = keys[start - 1] if start else parent
+            # The page before, as a block already saved: the daemon's BlockStored events then name it as the
+            # first page's parent (docs/kv-events.md), not the start of a prompt.
+            lead = [block_hash(before)] if before is not None else []
+            hashes = lead + [block_hash(k) for k in keys[start:stop]]
             with self._memory.saving(group, pages[start:stop]) as ids:
                 try:
-                    job = self._client.save(hashes, self._ids(group, ids), len(ids) * self._page)
+                    block_ids = self._ids(group, [NO_BLOCK] * len(lead) + ids)
+                    tokens = len(hashes) * self._page
+                    job = self._client.save(hashes, block_ids, tokens, saved_tokens=len(lead) * self._page)
                     result = job.result()
                 except SidecarError as error:
                     logger.warning("kvsidecar: saving %d pages of group %d failed: %s", len(ids), group, error)

@@ -164,7 +164,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         """Store each key's KV page; True where the page is stored (written now or already there)."""
         calls = self._session()
         pages = self._page_ids("kv", keys, host_indices)
-        return [False] * len(keys) if pages is None else calls.save(0, keys, pages)
+        return [False] * len(keys) if pages is None else calls.save(0, keys, pages, _parent(extra_info))
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
@@ -214,9 +214,11 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Store each transfer's pages of its pool; per pool, True per page stored."""
-        return self._transfer_v2(transfers, load=False)
+        return self._transfer_v2(transfers, load=False, parent=_parent(extra_info))
 
-    def _transfer_v2(self, transfers: Sequence[PoolTransfer], *, load: bool) -> dict[str, list[bool]]:
+    def _transfer_v2(
+        self, transfers: Sequence[PoolTransfer], *, load: bool, parent: str | None = None
+    ) -> dict[str, list[bool]]:
         calls = self._session()
         out: dict[str, list[bool]] = {}
         for transfer in transfers:
@@ -227,7 +229,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             elif load:
                 out[name] = calls.load(self._groups[name], keys, pages)
             else:
-                out[name] = calls.save(self._groups[name], keys, pages)
+                out[name] = calls.save(self._groups[name], keys, pages, parent)
         return out
 
     def _trailing_problem(self, transfer: PoolTransfer) -> str | None:
@@ -300,6 +302,12 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             logger.error("kvsidecar: host indices of %s do not start pages", name)
             return None
         return starts // page_size
+
+
+def _parent(extra_info: HiCacheStorageExtraInfo | None) -> str | None:
+    """The key before a call's first key, where SGLang passes the chain before it (`prefix_keys`)."""
+    prefix = extra_info.prefix_keys if extra_info is not None else None
+    return prefix[-1] if prefix else None
 
 
 _BY_INDEX = (
