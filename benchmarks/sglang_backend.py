@@ -1,11 +1,13 @@
 """SGLang's HiCache L3 calls through kvsidecar against SGLang's own Mooncake backend, in-process, on the same pool.
 
-Both backends are built by SGLang's backend factory over one host pool of SGLang's (its shm allocator, page_first),
-side by side in one run, rounds alternating: `batch_set_v1` of fresh pages (a batch of SGLang's 128, never stored
-before), then `batch_get_v1` of the same pages into other slots. kvsidecar: the rank copies the pages into its
-sealed staging area and the daemon (another process) moves them into its Mooncake segment, and back. Mooncake:
-SGLang's MooncakeStore registers the pool and calls Mooncake's zero-copy batch put/get in the engine's process
-(its own segment: Mooncake's memcpy path). Pages per second, GiB/s and kvsidecar / Mooncake, medians of rounds.
+Three backends are built by SGLang's backend factory over one host pool of SGLang's (its shm allocator, page_first),
+side by side in one run, rounds rotating: `batch_set_v1` of fresh pages (a batch of SGLang's 128, never stored
+before), then `batch_get_v1` of the same pages into other slots. kvsidecar in place (the default): the pool was
+moved into a sealed memfd at registration and the daemon (another process) reads and writes its pages directly,
+from and into its Mooncake segment. kvsidecar staged (`zero_copy: false`, the fallback): the rank copies the pages
+through its sealed staging area. Mooncake: SGLang's MooncakeStore registers the pool and calls Mooncake's zero-copy
+batch put/get in the engine's process (its own segment: Mooncake's memcpy path). Pages per second, GiB/s and each
+kvsidecar path / Mooncake, medians of rounds.
 
     .venv-sglang/bin/pip install mooncake-transfer-engine-non-cuda==0.3.13.post1   # SGLang's backend needs it
     flock /tmp/kvsidecar-heavy.lock .venv-sglang/bin/python benchmarks/sglang_backend.py --out /tmp/sglang-bench
@@ -64,6 +66,8 @@ def measure(shape: str, rounds: int, batch: int, workdir: Path) -> dict[str, Any
     """Rounds of set then get on both backends, alternating; per backend and op: seconds of each round."""
     from pools import backend, extra_config, fill, host_pool, model_dir
 
+    from kvsidecar_client.sglang.pages import page_pool, pool_buffers
+
     kind, layers, page, heads, head_dim = SHAPES[shape]
     geometry = {"layers": layers, "page": page, "tokens": 2 * batch * page, "ratio": 1.0}
     if kind == "mha":
@@ -86,14 +90,23 @@ def measure(shape: str, rounds: int, batch: int, workdir: Path) -> dict[str, Any
         deadline = time.monotonic() + 300
         while "pre-faulted" not in daemon.log() and time.monotonic() < deadline:
             time.sleep(0.5)
-        ours = backend(pool, model, extra_config(daemon.target, cache_prefix="bench"), mla=kind == "mla")
-        theirs = backend(pool, model, {}, mla=kind == "mla", name="mooncake")
-        page_bytes = ours._pages[0].page_bytes  # the same page both store
+        # In place first: it moves the pool (same addresses), which the other two then use as they find it.
+        start = time.perf_counter()
+        in_place = backend(pool, model, extra_config(daemon.target, cache_prefix="a"), mla=kind == "mla")
+        attach = time.perf_counter() - start  # the move of the pool (pool_bytes) and the session's opening
+        backends = {
+            "in place": in_place,
+            "staged": backend(
+                pool, model, extra_config(daemon.target, cache_prefix="b", zero_copy=False), mla=kind == "mla"
+            ),
+            "mooncake": backend(pool, model, {}, mla=kind == "mla", name="mooncake"),
+        }
+        page_bytes = sum(r.size for r in page_pool("kv", pool).runs)  # the same page all three store
         write, read = list(range(batch)), list(range(batch, 2 * batch))
-        times: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in ("kvsidecar", "mooncake")}
-        for r in range(rounds + 1):  # round 0 warms both up and is not counted
-            for name, storage in (("kvsidecar", ours), ("mooncake", theirs)) if r % 2 else (
-                ("mooncake", theirs), ("kvsidecar", ours)):  # fmt: skip
+        times: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in backends}
+        order = list(backends.items())
+        for r in range(rounds + 1):  # round 0 warms all up and is not counted
+            for name, storage in order[r % 3 :] + order[: r % 3]:
                 keys = [uuid.uuid4().hex * 2 for _ in range(batch)]
                 start = time.perf_counter()
                 stored = storage.batch_set_v1(keys, _indices(write, page))
@@ -105,32 +118,38 @@ def measure(shape: str, rounds: int, batch: int, workdir: Path) -> dict[str, Any
                 if r:
                     times[name]["set"].append(middle - start)
                     times[name]["get"].append(end - middle)
-        ours.close()
-        del theirs  # its Mooncake client unmounts its segment from the master, which must still run
+        backends["in place"].close()
+        backends["staged"].close()
+        # The Mooncake client unmounts its segment from the master when it goes, which must still run then.
+        del backends, order, storage, in_place
     finally:
         daemon.stop()
         stop_pid(master)
         env.close()
-    return {"shape": shape, "batch": batch, "page_bytes": page_bytes, "times": times}
+    pool_bytes = sum(b.numel() * b.element_size() for b in pool_buffers(pool))
+    return {"shape": shape, "batch": batch, "page_bytes": page_bytes, "times": times, "attach_s": attach,
+            "pool_bytes": pool_bytes}  # fmt: skip
 
 
 def report(results: list[dict[str, Any]]) -> str:
-    """The markdown table: medians per backend and op, and kvsidecar / Mooncake."""
+    """The markdown table: medians per backend and op, and each kvsidecar path / Mooncake."""
     lines = [
-        "| pages | op | kvsidecar pages/s | GiB/s | SGLang's Mooncake pages/s | GiB/s | kvsidecar / Mooncake |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| pages | op | in place pages/s | GiB/s | staged pages/s | GiB/s | SGLang's Mooncake pages/s | GiB/s "
+        "| in place / Mooncake | staged / Mooncake |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for res in results:
+        gib = res["batch"] * res["page_bytes"] / GIB
         for op in ("set", "get"):
-            ours = statistics.median(res["times"]["kvsidecar"][op])
-            theirs = statistics.median(res["times"]["mooncake"][op])
-            rate = res["batch"] / ours, res["batch"] / theirs
-            gib = res["batch"] * res["page_bytes"] / GIB
-            lines.append(
-                f"| {res['shape']} {res['batch']} x {res['page_bytes'] / 2**20:.2f} MiB | {op}_v1 | {rate[0]:.0f} | "
-                f"{gib / ours:.2f} | {rate[1]:.0f} | {gib / theirs:.2f} | {theirs / ours:.2f}x |"
-            )
-    return "\n".join(lines)
+            median = {name: statistics.median(times[op]) for name, times in res["times"].items()}
+            cells = [f"{res['batch'] / median[n]:.0f} | {gib / median[n]:.2f}" for n in ("in place", "staged")]
+            cells.append(f"{res['batch'] / median['mooncake']:.0f} | {gib / median['mooncake']:.2f}")
+            ratios = [f"{median['mooncake'] / median[n]:.2f}x" for n in ("in place", "staged")]
+            shape = f"{res['shape']} {res['batch']} x {res['page_bytes'] / 2**20:.2f} MiB"
+            lines.append(f"| {shape} | {op}_v1 | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    moves = [f"{r['shape']}: {r['pool_bytes'] / 2**20:.0f} MiB pool moved and session opened in {r['attach_s']:.2f} s"
+             for r in results]  # fmt: skip
+    return "\n".join([*lines, "", *moves])
 
 
 def main() -> None:
