@@ -4,7 +4,7 @@ SGLang moves each pool in calls of its own (KV pages by `batch_*_v1`, a side poo
 call here is one group's: its pages are the blocks 0..n-1 of a request of n pages whose block hashes are the call's
 keys (SGLang's page hashes; a call may start anywhere in a chain, and a key names its boundary wherever it sits),
 and every other group's blocks are NO_BLOCK: a save skips them (counted as absent), a load reports them failed
-(`kvsidecar_load_failed_blocks{reason="no_block"}`) and reads nothing for them. A load is the hit a lookup of
+(`kvsidecar_load_failed_blocks_total{reason="no_block"}`) and reads nothing for them. A load is the hit a lookup of
 those pages would answer, so the daemon reads what its rules say that group needs for a prefix ending at the last
 page (every page for KV, the window's last pages, a Mamba state at exactly the end): the pages it reads and does
 not report failed are the ones loaded. A lookup is always every group's (rule 9): the prefix every pool can serve.

@@ -59,12 +59,14 @@ def test_a_tensor_moves_in_place_into_a_sealed_memfd_nobody_can_shrink(kind):
     assert (region.memfd.index, region.mapping_bytes, fds) == (0, 11 * PAGE, [segment.fd])
 
 
-def test_the_memfd_closes_with_the_tensor():
+def test_the_owners_munmap_and_the_tensors_end_release_the_memfd():
     tensor, _ = _allocated("shared")
-    fd = remap(tensor).fd
+    address, fd = tensor.data_ptr(), remap(tensor).fd
     assert os.fstat(fd).st_size == 11 * PAGE
+    # The owner's mmap object unmaps the range when its tensor goes (SGLang's teardown): the memfd's mapping with it.
     del tensor
     gc.collect()
+    assert not [v for v in vmas(address, address + 11 * PAGE) if "kvsidecar-remap" in v.path]
     with pytest.raises(OSError):
         os.fstat(fd)
 
