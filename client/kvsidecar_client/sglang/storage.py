@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -39,6 +39,14 @@ __all__ = ["KVSidecarStorage"]
 logger = logging.getLogger(__name__)
 
 
+class _Pool(NamedTuple):
+    """A host pool SGLang registered: the pool, its pages as the daemon sees them, whether it moved in place."""
+
+    pool: Any
+    pages: PagePool
+    in_place: bool
+
+
 class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
     """A HiCache storage backend whose pages live in the kvsidecar daemon's store (docs/sglang.md)."""
 
@@ -52,8 +60,8 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             )
         if not storage_config.model_name:
             raise InvalidRequest("KVSidecarStorage needs the model's name (SGLang's model path) in its storage config")
-        # SGLang's pool name -> (the pool, its pages, shared in place), in the order they came.
-        self._pools: dict[str, tuple[Any, PagePool, bool]] = {}
+        # SGLang's pool name -> the pool as registered, in the order they came.
+        self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
         self._client: SidecarClient | None = None
         self._calls: PageCalls | None = None
@@ -80,7 +88,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
     def _add_pool(self, name: str, pool: Any) -> None:
         with self._lock:
             known = self._pools.get(name)
-            if known is not None and known[0] is pool:
+            if known is not None and known.pool is pool:
                 return
             if self._client is not None:
                 raise InvalidRequest(f"host pool {name!r} came after the session opened: attach the backend again")
@@ -92,7 +100,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             why = share_pool(pool, pool_buffers(pool)) if self._settings.zero_copy else "zero_copy is false"
             if why is not None:
                 logger.info("kvsidecar: host pool %s is copied through the staging area: %s", name, why)
-            self._pools[name] = (pool, pages, why is None)
+            self._pools[name] = _Pool(pool, pages, why is None)
 
     def _session(self) -> PageCalls:
         with self._lock:
@@ -102,7 +110,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
                 raise InvalidRequest("no KV host pool registered (register_mem_pool_host)")
             names = ["kv", *(n for n in self._pools if n != "kv")]
             entries = [self._pools[n] for n in names]
-            pages = [entry[1] for entry in entries]
+            pages = [entry.pages for entry in entries]
             config = self._config
             model = str(config.model_name)
             shape = session_shape(
@@ -128,8 +136,8 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             )
             try:
                 memory = PageMemory(
-                    [(entry[1], pool_buffers(entry[0])) for entry in entries],
-                    [entry[2] for entry in entries],
+                    [(entry.pages, pool_buffers(entry.pool)) for entry in entries],
+                    [entry.in_place for entry in entries],
                     self._settings.staging_pages,
                 )
                 client.register(*memory.tensors())
@@ -140,8 +148,8 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             logger.info(
                 "kvsidecar: session open on %s: %s, pages of %d tokens, value identity %s",
                 self._settings.socket,
-                ", ".join(f"{p.name} {p.kind} ({p.page_bytes} bytes, {'in place' if e[2] else 'staged'})"
-                          for p, e in zip(pages, entries, strict=True)),
+                ", ".join(f"{e.pages.name} {e.pages.kind} ({e.pages.page_bytes} bytes, "
+                          f"{'in place' if e.in_place else 'staged'})" for e in entries),
                 shape.page_tokens,
                 identity,
             )  # fmt: skip
@@ -237,7 +245,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         name, count = str(transfer.name), len(transfer.keys or []) or 1
         if name not in self._groups:
             return f"pool {name!r} is not registered with this backend"
-        kind = self._pools[name][1].kind
+        kind = self._pools[name].pages.kind
         if name == "kv":
             return None
         if transfer.hit_policy != PoolHitPolicy.TRAILING_PAGES:
@@ -291,7 +299,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _page_ids(self, name: str, keys: Sequence[str], host_indices: torch.Tensor | None) -> torch.Tensor | None:
         """The pool's page of each key (key i's page starts at host_indices[i * page_size]), or None."""
-        page_size = self._pools[name][1].page_size
+        page_size = self._pools[name].pages.page_size
         if host_indices is None or host_indices.numel() != len(keys) * page_size:
             count = 0 if host_indices is None else host_indices.numel()
             logger.error("kvsidecar: %d host indices for %d keys of %d-slot pages of %s", count, len(keys),
