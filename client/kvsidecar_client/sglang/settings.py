@@ -18,7 +18,6 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 _KEYS = frozenset(
     {"socket", "cache_prefix", "model_identity", "timeouts", "staging_pages", "zero_copy", "sliding_window"}
 )
-_TIMEOUTS = frozenset({"connect", "register", "save", "lookup", "load", "control"})
 # Pages one staged call moves (SGLang's storage calls carry at most 128 pages: STORAGE_BATCH_SIZE); a call with more
 # moves them in turns. Two such areas (saves, loads) of sealed shared memory per rank.
 DEFAULT_STAGING_PAGES = 128
@@ -63,16 +62,7 @@ class StorageSettings:
         pinned = extra.get("model_identity", "")
         if not isinstance(socket, str) or not isinstance(prefix, str) or not isinstance(pinned, str):
             raise InvalidRequest("extra config: socket, cache_prefix and model_identity must be strings")
-        timeouts = extra.get("timeouts") or {}
-        if not isinstance(timeouts, Mapping):
-            raise InvalidRequest(f"extra config: timeouts must be an object, got {timeouts!r}")
-        bad = sorted(set(timeouts) - _TIMEOUTS)
-        if bad:
-            raise InvalidRequest(f"unknown timeouts {bad}; expected some of {sorted(_TIMEOUTS)}")
-        try:
-            deadlines = Deadlines(**{name: float(value) for name, value in timeouts.items()})
-        except (TypeError, ValueError) as error:
-            raise InvalidRequest(f"extra config: bad timeouts {dict(timeouts)!r}: {error}") from None
+        deadlines = Deadlines.from_config(extra.get("timeouts"), "extra config")
         pages = extra.get("staging_pages", DEFAULT_STAGING_PAGES)
         if not isinstance(pages, int) or isinstance(pages, bool) or pages < 1:
             raise InvalidRequest(f"extra config: staging_pages must be an int >= 1, got {pages!r}")
