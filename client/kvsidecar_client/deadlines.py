@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from kvsidecar_client.errors import InvalidRequest
 
@@ -46,3 +48,19 @@ class Deadlines:
             # NaN and inf fail here too: a deadline that never fires hangs the engine on a dead daemon.
             if not 0 < value < float("inf"):
                 raise InvalidRequest(f"deadline {name} must be > 0 seconds, got {value!r}")
+
+    @classmethod
+    def from_config(cls, timeouts: Any, where: str) -> Deadlines:
+        """The deadlines an engine's extra config sets (`timeouts`: seconds by kind, or None), refused with the
+        reason; `where` names the config in the message."""
+        timeouts = timeouts or {}
+        if not isinstance(timeouts, Mapping):
+            raise InvalidRequest(f"{where}: timeouts must be an object, got {timeouts!r}")
+        kinds = sorted(f.name for f in fields(cls))
+        bad = sorted(set(timeouts) - set(kinds))
+        if bad:
+            raise InvalidRequest(f"unknown timeouts {bad}; expected some of {kinds}")
+        try:
+            return cls(**{name: float(value) for name, value in timeouts.items()})
+        except (TypeError, ValueError) as error:
+            raise InvalidRequest(f"{where}: bad timeouts {dict(timeouts)!r}: {error}") from None

@@ -55,6 +55,7 @@ __all__ = [
     "region_geometry",
     "segment_of",
     "shared_tensor",
+    "track_memfd",
 ]
 
 SHM_DIR = "/dev/shm"  # the daemon opens SHM_DIR/<name>
@@ -219,6 +220,17 @@ def _sealed_tensor(dims: tuple[int, ...], numel: int, size: int, dtype: torch.dt
     weakref.finalize(mapping, _close_fd, fd, base)
     del mapping
     return tensor
+
+
+def track_memfd(tensor: torch.Tensor, fd: int, size: int) -> Segment:
+    """Register a sealed memfd of `size` bytes that maps `tensor`'s storage from its first byte (remapping.py), so
+    the client registers the tensor as it does shared_tensor's; the fd is closed when the tensor is collected."""
+    base = tensor.untyped_storage().data_ptr()
+    segment = Segment("", size, fd)
+    with _segments_lock:
+        _segments[base] = segment
+    weakref.finalize(tensor, _close_fd, fd, base)
+    return segment
 
 
 def segment_of(tensor: torch.Tensor) -> Segment | None:

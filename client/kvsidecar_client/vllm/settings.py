@@ -14,7 +14,6 @@ from kvsidecar_contract.placement import InvalidLayout, check_share_across_tp
 __all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings"]
 
 _KEYS = frozenset({"socket", "cache_prefix", "model_identity", "timeouts", "share_across_tp"})
-_TIMEOUTS = frozenset({"connect", "register", "save", "lookup", "load", "control"})
 # How much longer than a save's own deadline the worker waits for it before vLLM may reuse its blocks: past the
 # deadline the daemon starts no put and removes what it wrote late, so the blocks are free again.
 DEFAULT_WAIT_SLACK = 5.0
@@ -57,16 +56,7 @@ class ConnectorSettings:
         pinned = extra.get("model_identity", "")
         if not isinstance(socket, str) or not isinstance(prefix, str) or not isinstance(pinned, str):
             raise InvalidRequest("kv_connector_extra_config: socket, cache_prefix and model_identity must be strings")
-        timeouts = extra.get("timeouts") or {}
-        if not isinstance(timeouts, Mapping):
-            raise InvalidRequest(f"kv_connector_extra_config: timeouts must be an object, got {timeouts!r}")
-        bad = sorted(set(timeouts) - _TIMEOUTS)
-        if bad:
-            raise InvalidRequest(f"unknown timeouts {bad}; expected some of {sorted(_TIMEOUTS)}")
-        try:
-            deadlines = Deadlines(**{name: float(value) for name, value in timeouts.items()})
-        except (TypeError, ValueError) as error:
-            raise InvalidRequest(f"kv_connector_extra_config: bad timeouts {dict(timeouts)!r}: {error}") from None
+        deadlines = Deadlines.from_config(extra.get("timeouts"), "kv_connector_extra_config")
         try:
             share = check_share_across_tp(extra.get("share_across_tp", False))
         except InvalidLayout as error:

@@ -95,7 +95,7 @@ for info in pkgutil.walk_packages(kvsidecar_client.__path__, "kvsidecar_client."
     try:
         module = importlib.import_module(info.name)
     except ImportError as error:
-        if error.name and error.name.split(".")[0] in ("vllm", "torch"):
+        if error.name and error.name.split(".")[0] in ("vllm", "sglang", "torch"):
             continue
         raise
     imported.append(info.name)
