@@ -1,7 +1,7 @@
-"""The device (GPU) path with a CPU standing in for the GPU: a rank's KV cache in /dev/shm, a session over a given
-store, and the same data path the daemon runs on a GPU node (staging, views, rounds, direct copies of the segment).
+"""The device mover with a CPU standing in for the GPU: a rank's KV cache in /dev/shm, a session over a given store,
+and the same data path the daemon runs on a GPU node (staging slots, plans, rounds, direct copies of the segment).
 
-What it cannot show is CUDA itself (streams, page-locking, IPC): scripts/gpu/ checks that on a GPU.
+What it cannot show is CUDA itself (streams running ahead, page-locking, IPC): tests/gpu checks that on a GPU.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from multiprocessing import shared_memory
 from prometheus_client import CollectorRegistry
 
 from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.accelerators import Accelerator
+from kvsidecar.movers.factory import Movers
+from kvsidecar.movers.runtime import GpuRuntime, GpuSettings
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Store
@@ -38,6 +40,8 @@ class Rank:
     datapath: DataPath
     registry: SessionRegistry
     regions: list[RegionRequest]
+    runtime: GpuRuntime | None
+    metrics: Metrics
 
     def fill(self, seed: int) -> None:
         """Distinct bytes everywhere (which block and which byte each came from)."""
@@ -84,19 +88,20 @@ def rank(
     staging_bytes: int = 1 << 20,
     bounce_bytes: int = 256 * KiB,
     model: str = "dev/model",
+    accelerator: Accelerator | None = None,
 ) -> Iterator[Rank]:
-    """A rank on the device path (device=False: the host path, the same memory layout) over store."""
+    """A rank on the device path (device=False: the host path, the same memory layout) over store; staging and
+    bounce are the device's whole area (SLOTS slots); accelerator: a stand-in CPU of the test's own."""
     per_group = layers_per_group * block_bytes * blocks
     segment = shared_memory.SharedMemory(create=True, size=per_group * len(groups))
     segment.buf[:] = bytes(len(segment.buf))
     metrics = Metrics(CollectorRegistry())
     runtime = None
     if device:
-        runtime = GpuRuntime(GpuSettings("auto", staging_bytes, bounce_bytes), store, metrics, devices=["cpu"])
+        given = [accelerator] if accelerator is not None else None
+        runtime = GpuRuntime(GpuSettings("cpu", staging_bytes, bounce_bytes), store, metrics, devices=given)
         runtime.start()
-    registry = SessionRegistry(
-        60, store.register_buffer, store.unregister_buffer, metrics=metrics, devices=runtime, host_views=device
-    )
+    registry = SessionRegistry(60, Movers(store, metrics, runtime), metrics=metrics)
     regions = []
     for g in range(len(groups)):
         for r in layers(segment, layers_per_group, block_bytes, blocks, g):
@@ -105,7 +110,7 @@ def rank(
     session = registry.open(Role.RANK, layout, 32, "device-path-test", grant=_trusted())
     registry.attach(session, regions)
     try:
-        yield Rank(segment, session, DataPath(store, metrics, gpu=runtime), registry, regions)
+        yield Rank(segment, session, DataPath(store, metrics), registry, regions, runtime, metrics)
     finally:
         registry.close_all()
         if runtime is not None:

@@ -18,6 +18,7 @@ import pytest
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest, TooLate
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
@@ -70,7 +71,7 @@ class Context:
 
 def service(tenants: Path | None = None) -> SidecarService:
     store, metrics = MemoryStore(), Metrics()
-    sessions = SessionRegistry(30, store.register_buffer, store.unregister_buffer, metrics=metrics)
+    sessions = SessionRegistry(30, Movers(store, metrics), metrics=metrics)
     tenancy = Tenancy(metrics, str(tenants) if tenants else "")
     return SidecarService(DataPath(store, metrics), sessions, tenancy, metrics, workers=2)
 

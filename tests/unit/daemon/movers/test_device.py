@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvsidecar.errors import BadRequest
-from kvsidecar.gpu.transfers import rounds
+from kvsidecar.movers.device import rounds
 from kvsidecar.reasons import Reason
 from kvsidecar.store import StoreCode
 from kvsidecar.store.memory_store import MemoryStore
@@ -75,8 +75,8 @@ def test_a_hybrid_load_leaves_memory_exactly_as_the_host_path_does():
 
 def test_a_request_larger_than_staging_moves_in_rounds():
     store = MemoryStore()
-    # 4 layers x 4 KiB = 16 KiB a value: 64 KiB of staging holds 4, the bounce 2; 20 blocks take several rounds.
-    with rank(store, staging_bytes=64 * KiB, bounce_bytes=32 * KiB) as r:
+    # 4 layers x 4 KiB = 16 KiB a value: a slot's 64 KiB of staging holds 4, its bounce 2; 20 blocks take rounds.
+    with rank(store, staging_bytes=4 * 64 * KiB, bounce_bytes=4 * 32 * KiB) as r:
         r.fill(3)
         h = hashes("big", 20)
         assert r.save(h, [list(range(20))]).written == 20
@@ -124,5 +124,5 @@ def test_a_block_outside_the_region_is_refused_before_anything_moves():
 
 
 def test_a_value_larger_than_the_staging_area_is_refused_at_registration():
-    with pytest.raises(BadRequest, match="raise --gpu-staging-size"), rank(MemoryStore(), staging_bytes=8 * KiB):
+    with pytest.raises(BadRequest, match="raise --gpu-staging-size"), rank(MemoryStore(), staging_bytes=4 * 8 * KiB):
         pass
