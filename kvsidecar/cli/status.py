@@ -131,6 +131,11 @@ def run(
         return EXIT_UNREACHABLE
     if not quiet:
         print(json.dumps(info, indent=2) if as_json else render(info))
+    return exit_code(info, live_only)
+
+
+def exit_code(info: dict[str, Any], live_only: bool = False) -> int:
+    """What `status` exits with for what the daemon said: its store down or its GPU path failed is 1."""
     if not info["serving"]:
         return EXIT_UNREACHABLE
     if live_only or (info["store_healthy"] and info["store_serving"] and not info.get("gpu_failure")):

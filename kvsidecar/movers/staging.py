@@ -144,6 +144,12 @@ class StagingArea:
         return self.slots[0].bounce_bytes
 
     @property
+    def free(self) -> int:
+        """Slots no request holds now."""
+        with self._changed:
+            return len(self._free)
+
+    @property
     def held_bytes(self) -> int:
         """Device memory the area holds, every slot's."""
         return int(self._staging.numel())

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvsidecar.daemon.master import EmbeddedMaster
+from kvsidecar.movers.device import DeviceMover
 from kvsidecar.store import StoreCode
 from kvsidecar.store.mooncake_store import MooncakeStore
 from kvsidecar.tiers.engine import DiskEngine
@@ -90,6 +91,24 @@ def test_a_device_load_copies_from_the_segment_and_every_byte_arrives(mooncake_s
         assert counting.read == 0, "every value was copied from its replica in the segment, none read by the store"
         for g, first in ((0, 16), (1, 24)):
             assert [r.value(g, first + b) for b in range(8)] == [originals[(g, b)] for b in range(8)]
+
+
+def test_values_a_save_laid_side_by_side_come_back_in_one_copy(mooncake_store, key_prefix):
+    # A block stored as one value per KV head (rule 11): a batch put lays each block's two values one after the other,
+    # so no two values of one head are adjacent in the segment. Placed in staging in the order the request names
+    # them, they are: the whole load is one host-to-device copy (one per value before), scattered as strided views.
+    with rank(mooncake_store, heads=2, model=f"{key_prefix}m") as r:
+        r.fill(13)
+        h = hashes(key_prefix, 8)
+        assert r.save(h, [list(range(8))]).written == 16
+        originals = [r.value(0, b) for b in range(8)]
+        mover = r.session.require_mover()
+        assert isinstance(mover, DeviceMover)
+        before = mover.copies
+        out = r.load(h, [list(range(16, 24))])
+        assert (out.loaded, out.failures) == (16, ())
+        assert mover.copies - before == 1
+        assert [r.value(0, b) for b in range(16, 24)] == originals
 
 
 def test_a_device_save_is_written_behind_from_the_dram_replica(mooncake_store, key_prefix, tmp_path):

@@ -51,10 +51,13 @@ class Rank:
         self.segment.buf[:] = bytes(data)
 
     def value(self, group: int, block: int) -> bytes:
-        """The bytes of a block as the host path addresses them (the oracle)."""
+        """The bytes of a block as the host path addresses them (the oracle): its values, every part of it."""
         memory = self.session.require_memory()
-        addresses, sizes = memory.buffers(group, block)
-        return b"".join(ctypes.string_at(a, n) for a, n in zip(addresses, sizes, strict=True))
+        out = []
+        for part in range(len(memory.part_bytes[group])):
+            addresses, sizes = memory.buffers(group, block, part)
+            out += [ctypes.string_at(a, n) for a, n in zip(addresses, sizes, strict=True)]
+        return b"".join(out)
 
     def save(self, hashes: Sequence[bytes], ids: Sequence[Sequence[int]]):  # type: ignore[no-untyped-def]
         return self.datapath.save(self.session, SaveArgs(hashes, ids, len(hashes) * BLOCK_TOKENS))
@@ -66,14 +69,11 @@ class Rank:
 
 
 def layers(
-    segment: shared_memory.SharedMemory, n: int, block_bytes: int, blocks: int, group: int
+    segment: shared_memory.SharedMemory, n: int, block_bytes: int, blocks: int, group: int, heads: int = 0
 ) -> list[RegionRequest]:
     """n layers of one buffer, layer-major (vLLM 0.33's allocation): one region each, one run for the views."""
-    size, name = len(segment.buf), segment.name
-    return [
-        RegionRequest(ShmHandle(name), size, i * block_bytes * blocks, block_bytes, block_bytes, blocks, (group,))
-        for i in range(n)
-    ]
+    handle, size, layer = ShmHandle(segment.name), len(segment.buf), block_bytes * blocks
+    return [RegionRequest(handle, size, i * layer, block_bytes, block_bytes, blocks, (group,), heads) for i in range(n)]
 
 
 @contextmanager
@@ -89,9 +89,11 @@ def rank(
     bounce_bytes: int = 256 * KiB,
     model: str = "dev/model",
     accelerator: Accelerator | None = None,
+    heads: int = 0,
 ) -> Iterator[Rank]:
     """A rank on the device path (device=False: the host path, the same memory layout) over store; staging and
-    bounce are the device's whole area (SLOTS slots); accelerator: a stand-in CPU of the test's own."""
+    bounce are the device's whole area (SLOTS slots); accelerator: a stand-in CPU of the test's own; heads: KV
+    heads of every block, each block stored as one value per head (rule 11, shared across TP sizes)."""
     per_group = layers_per_group * block_bytes * blocks
     segment = shared_memory.SharedMemory(create=True, size=per_group * len(groups))
     segment.buf[:] = bytes(len(segment.buf))
@@ -104,9 +106,9 @@ def rank(
     registry = SessionRegistry(60, Movers(store, metrics, runtime), metrics=metrics)
     regions = []
     for g in range(len(groups)):
-        for r in layers(segment, layers_per_group, block_bytes, blocks, g):
+        for r in layers(segment, layers_per_group, block_bytes, blocks, g, heads):
             regions.append(dataclasses.replace(r, offset=r.offset + g * per_group))
-    layout = Layout(model, tuple(groups), Parallel(), 1, BLOCK_TOKENS)
+    layout = Layout(model, tuple(groups), Parallel(), max(heads, 1), BLOCK_TOKENS, share_tp_size=heads)
     session = registry.open(Role.RANK, layout, 32, "device-path-test", grant=_trusted())
     registry.attach(session, regions)
     try:

@@ -4,10 +4,14 @@ rounds, never scatters a value that was not read, and refuses what it cannot mov
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from kvsidecar.errors import BadRequest
+from kvsidecar.errors import BadRequest, DeviceUnavailable, StoreError
+from kvsidecar.movers.accelerators import Cpu, cuda_error
 from kvsidecar.movers.device import rounds
+from kvsidecar.movers.staging import SLOTS
 from kvsidecar.reasons import Reason
 from kvsidecar.store import StoreCode
 from kvsidecar.store.memory_store import MemoryStore
@@ -126,3 +130,136 @@ def test_a_block_outside_the_region_is_refused_before_anything_moves():
 def test_a_value_larger_than_the_staging_area_is_refused_at_registration():
     with pytest.raises(BadRequest, match="raise --gpu-staging-size"), rank(MemoryStore(), staging_bytes=4 * 8 * KiB):
         pass
+
+
+class Recording(Cpu):
+    """A CPU standing in for a GPU that records what each slot's stream was asked, and can be made to fail like a
+    GPU whose context hit a sticky error (every wait then raises CUDA's error, and so does a probe)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.waits: list[object] = []  # the stream of each synchronize, in order
+        self.sticky = ""
+
+    def stream(self) -> object:
+        return object()  # one per slot
+
+    def synchronize(self, stream: object) -> None:
+        self.waits.append(stream)
+        if self.sticky:
+            raise RuntimeError(f"CUDA error: {self.sticky}")
+
+    def broken(self, exc: BaseException) -> str:
+        return f"cpu: {self.sticky}" if self.sticky and cuda_error(exc) else ""
+
+
+class CrashingPuts(MemoryStore):
+    """The in-memory store, its put failing with something no store error covers (a crashed native call)."""
+
+    crash = True
+
+    def put_from(self, keys, addresses, sizes, *, device=False):  # type: ignore[no-untyped-def]
+        if self.crash:
+            raise RuntimeError("put crashed")
+        return super().put_from(keys, addresses, sizes, device=device)
+
+
+def test_a_request_that_fails_midway_still_waits_for_its_slot_and_gives_it_back():
+    store, device = CrashingPuts(), Recording()
+    with rank(store, accelerator=device) as r:
+        r.fill(1)
+        area = r.runtime.area("cpu")  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError, match="put crashed"):
+            r.save(hashes("crash", 4), [[0, 1, 2, 3]])
+        # The gathers it queued were waited for before the slot went back, though the request failed.
+        assert area.free == SLOTS and device.waits[-1] in {slot.stream for slot in area.slots}
+        store.crash = False
+        assert r.save(hashes("crash", 4), [[0, 1, 2, 3]]).written == 4
+
+
+def test_a_load_waits_for_its_stream_once_and_a_save_once_per_round():
+    store, device = MemoryStore(), Recording()
+    # 16 KiB values; a slot's staging holds 4: 10 blocks are 3 rounds.
+    with rank(store, accelerator=device, staging_bytes=4 * 64 * KiB, bounce_bytes=4 * 64 * KiB) as r:
+        r.fill(2)
+        h = hashes("waits", 10)
+        assert r.save(h, [list(range(10))]).written == 10
+        assert len(device.waits) == 3 + 1  # one before each round's put, one as the slot goes back
+        device.waits.clear()
+        # Through the bounce (the in-memory store has no segment): one wait per round before the bounce is
+        # read again (64 KiB: 4 values), and none for block ids, which go up without the host waiting.
+        assert r.load(h, [list(range(20, 30))]).loaded == 10
+        assert len(device.waits) == 3 + 1
+
+
+def test_a_sticky_cuda_error_fails_the_gpu_path_and_every_later_request_with_the_reason():
+    store, device = MemoryStore(), Recording()
+    with rank(store, accelerator=device) as r:
+        r.fill(3)
+        h = hashes("sticky", 2)
+        assert r.save(h, [[0, 1]]).written == 2
+        device.sticky = "an illegal memory access was encountered"
+        with pytest.raises(DeviceUnavailable, match="GPU path failed \\(cpu: an illegal memory access was encount"):
+            r.load(h, [[4, 5]])
+        assert r.runtime is not None and r.runtime.failure == "cpu: an illegal memory access was encountered"
+        assert r.runtime.describe().startswith("FAILED (cpu: an illegal memory access")
+        assert r.metrics.registry.get_sample_value("kvsidecar_gpu_failed") == 1
+        device.sticky = ""  # even if the device answered again: the path stays failed until a restart
+        keys = store.keys()
+        with pytest.raises(DeviceUnavailable, match="restart the daemon"):
+            r.save(hashes("after", 2), [[6, 7]])
+        assert store.keys() == keys
+        with pytest.raises(DeviceUnavailable):
+            r.runtime.area("cpu")  # what registering memory on it asks first
+        # The error the request hit is its own, and was not taken for a sticky one: a CPU raises no CUDA errors.
+        assert not Recording().broken(RuntimeError("put crashed"))
+
+
+def test_loads_and_saves_of_one_gpu_overlap():
+    # A save holding a slot through a slow put (a store busy for seconds) does not hold a load of the same GPU.
+    store = SlowPuts()
+    with rank(store) as r:
+        r.fill(4)
+        h = hashes("overlap", 4)
+        assert r.save(h, [[0, 1, 2, 3]]).written == 4
+        store.hold = True
+        saving = threading.Thread(target=r.save, args=(hashes("held", 2), [[8, 9]]))
+        saving.start()
+        try:
+            assert store.entered.wait(30)
+            loaded: list[int] = []
+            loading = threading.Thread(target=lambda: loaded.append(r.load(h, [[12, 13, 14, 15]]).loaded))
+            loading.start()
+            loading.join(20)
+            assert loaded == [4], "the load waited for the save's put"
+        finally:
+            store.release.set()
+            saving.join(30)
+
+
+class SlowPuts(MemoryStore):
+    """The in-memory store, holding each put while `hold` is set until `release` (a busy store's put)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def put_from(self, keys, addresses, sizes, *, device=False):  # type: ignore[no-untyped-def]
+        if self.hold:
+            self.entered.set()
+            self.release.wait(60)
+        return super().put_from(keys, addresses, sizes, device=device)
+
+
+def test_device_memory_is_not_registered_with_the_store_only_the_staging_it_reads_from():
+    store = MemoryStore(require_registration=True)
+    with rank(store) as r:
+        mapping = next(iter(r.session.require_memory().mappings.values()))
+        with pytest.raises(StoreError, match="no buffer registered"):
+            store.unregister_buffer(mapping.address)  # never registered: no transfer of the store's reads it
+        r.fill(5)
+        h = hashes("registered", 3)
+        assert r.save(h, [[0, 1, 2]]).written == 3  # from registered staging
+        assert r.load(h, [[4, 5, 6]]).loaded == 3  # into the registered bounce
