@@ -10,7 +10,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.store import StoreCode
 from kvsidecar_contract.placement import Chunk
 
-__all__ = ["Mover", "count_failure"]
+__all__ = ["Mover", "check_chunks", "count_failure"]
 
 
 class Mover(Protocol):
@@ -34,6 +34,13 @@ class Mover(Protocol):
 
     def close(self) -> None:
         """Let go of the memory (what the mover registered for it, views into it): no call runs on it any more."""
+
+
+def check_chunks(memory: SessionMemory, chunks: Sequence[Chunk]) -> None:
+    """Raise BadRequest unless every chunk names a block (and value part) of memory."""
+    check = memory.check
+    for c in chunks:
+        check(c.group, c.block_id, c.part)
 
 
 def count_failure(metrics: Metrics, operation: str, code: StoreCode) -> None:

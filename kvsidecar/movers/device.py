@@ -44,7 +44,7 @@ from typing import Any
 from kvsidecar.errors import BadRequest, DeviceUnavailable, StoreError
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
-from kvsidecar.movers.base import count_failure
+from kvsidecar.movers.base import check_chunks, count_failure
 from kvsidecar.movers.plans import ValueViews
 from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.movers.staging import ALIGN, Slot
@@ -134,9 +134,7 @@ class DeviceMover:
 
     def check(self, chunks: Sequence[Chunk]) -> None:
         """Raise BadRequest unless every chunk names a block of the memory."""
-        check = self.memory.check
-        for c in chunks:
-            check(c.group, c.block_id, c.part)
+        check_chunks(self.memory, chunks)
 
     def close(self) -> None:
         """Drop the plans: they are views into the memory, which is unmapped next."""
@@ -279,7 +277,8 @@ class _Upload:
         size = self._sizes[j]
         e = self._mover.plan(self._chunks[j]).element
         place = -(-self._at // e) * e
-        if place + size > self._slot.staging_bytes:
+        # A round ends when staging is full, or when its values' block ids would fill the index buffer (tiny values).
+        if place + size > self._slot.staging_bytes or len(self._placed) == self._slot.index_capacity:
             self.flush()
             place = 0
         copy = self._copy

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvsidecar.errors import StoreError
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
-from kvsidecar.movers.base import count_failure
+from kvsidecar.movers.base import check_chunks, count_failure
 from kvsidecar.store import Store, StoreCode
 from kvsidecar_contract.placement import Chunk
 
@@ -37,9 +37,7 @@ class HostMover:
 
     def check(self, chunks: Sequence[Chunk]) -> None:
         """Raise BadRequest unless every chunk names a block of the memory."""
-        check = self.memory.check
-        for c in chunks:
-            check(c.group, c.block_id, c.part)
+        check_chunks(self.memory, chunks)
 
     def put(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
         """One batch put straight from the blocks' slices."""

@@ -50,6 +50,11 @@ class Slot:
         """Bytes of host bounce this slot holds."""
         return int(self.bounce.numel())
 
+    @property
+    def index_capacity(self) -> int:
+        """Block ids one round may upload (one per ALIGN bytes of staging)."""
+        return int(self._index_host.numel())
+
     def typed(self, dtype: Any) -> Any:
         """The whole staging as elements of dtype (a slot's staging starts on an ALIGN boundary)."""
         view = self._typed.get(dtype)
@@ -64,7 +69,7 @@ class Slot:
         Each call takes the next entries of the page-locked buffer, so an upload still queued is never overwritten;
         when they run out, the host waits for the stream once (everything uploaded before has been read)."""
         n = len(ids)
-        capacity = int(self._index_host.numel())
+        capacity = self.index_capacity
         if n > capacity:
             raise ValueError(f"{n} block ids at once, more than a slot's {capacity}")
         if self._used + n > capacity:

@@ -17,7 +17,7 @@ from kvsidecar.store.mooncake_store import MooncakeStore
 from kvsidecar.tiers.engine import DiskEngine
 from kvsidecar.tiers.tiered import TieredStore
 from kvsidecar_contract.placement import GroupSpec, Kind
-from support.devicepath import hashes, rank
+from support.devicepath import KiB, hashes, rank
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
@@ -109,6 +109,18 @@ def test_values_a_save_laid_side_by_side_come_back_in_one_copy(mooncake_store, k
         assert (out.loaded, out.failures) == (16, ())
         assert mover.copies - before == 1
         assert [r.value(0, b) for b in range(16, 24)] == originals
+
+
+def test_values_smaller_than_an_index_entry_move_in_rounds_of_the_index_buffer(mooncake_store, key_prefix):
+    # 64-byte values: a 1 KiB slot holds 16 of them but has index room for 4 block ids (one per 256 bytes).
+    with rank(mooncake_store, block_bytes=16, staging_bytes=4 * KiB, bounce_bytes=4 * KiB, model=f"{key_prefix}m") as r:
+        r.fill(14)
+        h = hashes(key_prefix, 10)
+        assert r.save(h, [list(range(10))]).written == 10
+        originals = [r.value(0, b) for b in range(10)]
+        out = r.load(h, [list(range(20, 30))])
+        assert (out.loaded, out.failures) == (10, ())
+        assert [r.value(0, b) for b in range(20, 30)] == originals
 
 
 def test_a_device_save_is_written_behind_from_the_dram_replica(mooncake_store, key_prefix, tmp_path):
