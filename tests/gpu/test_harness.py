@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif("KVSIDECAR_GPU_CHECK" in os.environ, reason="the GPU check does not run itself"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = b"KVSIDECAR_GPU_CHECK="
