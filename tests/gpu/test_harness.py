@@ -38,8 +38,10 @@ def marked() -> list[int]:
 
 def test_a_section_past_its_limit_fails_leaves_nothing_running_and_two_files_come_back(tmp_path):
     out = tmp_path / "out"
+    (tmp_path / "tmp").mkdir()
     env = {
         **os.environ,
+        "TMPDIR": str(tmp_path / "tmp"),  # the section's own pytest keeps its folders there, not in Mooncake's
         "OUT": str(out),
         "GPU_CHECK_WORK": str(tmp_path / "work"),
         "GPU_CHECK_INSTALL": "here",
