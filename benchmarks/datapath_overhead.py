@@ -19,6 +19,7 @@ from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.memory.mappings import Opener
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
 from kvsidecar.rpc import wire
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Presence, StoreCode, StoreHealth
@@ -44,6 +45,12 @@ class StubStore:
 
     get_into = put_from
 
+    def register_buffer(self, address: int, size: int) -> None:
+        pass
+
+    def unregister_buffer(self, address: int) -> None:
+        pass
+
     def tiers(self, keys: Sequence[str]) -> list[str]:
         return ["memory" if self.present else ""] * len(keys)
 
@@ -67,7 +74,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    sessions = SessionRegistry(60, register=lambda address, size: None, unregister=lambda address: None)
+    movers = Movers(StubStore(False))
+    sessions = SessionRegistry(60, movers)
     print("| request | ms (median) |")
     print("| --- | --- |")
     for shape in (MLA, GQA):
@@ -77,6 +85,7 @@ def main() -> None:
             fds: list[int] = []  # the memfds a rank would pass over the side socket, handed over directly here
             regions = describe_regions([(t, (0,), None) for t in memory.tensors], fds)
             session.memory = SessionMemory(wire.regions(regions), 1, Opener(fds))
+            session.mover = movers.mover(session.memory)
             request = Request.of(shape, "overhead", n, n)
             datapath = DataPath(StubStore(False), Metrics())
             ids, tokens = [request.save_ids], request.num_tokens

@@ -25,6 +25,7 @@ from kvsidecar.events.node import NodeEvents
 from kvsidecar.memory.mappings import Opener
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
 from kvsidecar.rpc import wire
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.values import Role, SaveArgs
@@ -68,13 +69,15 @@ def main() -> None:
 
     torch.set_num_threads(1)
     n = args.blocks
-    sessions = SessionRegistry(60, register=lambda address, size: None, unregister=lambda address: None)
+    movers = Movers(StubStore(False))
+    sessions = SessionRegistry(60, movers)
     # Named shared memory: this process maps it by name, as the daemon maps a trusted rank's (no side socket here).
     shape = (2 * n, BLOCK_TOKENS, *GQA.token_dims)
     tensors = [shared_tensor(shape, torch.bfloat16, named=True) for _ in range(GQA.regions)]
     session = sessions.open(Role.RANK, GQA.layout("bench/x"), 32, "x")
     regions = wire.regions(describe_regions([(t, (0,), None) for t in tensors]))
     session.memory = SessionMemory(regions, 1, Opener(shm_names=True))
+    session.mover = movers.mover(session.memory)
     request = Request.of(GQA, "events", n, n)
     tokens = list(range(request.num_tokens))
 

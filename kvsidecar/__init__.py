@@ -8,8 +8,8 @@ tests/unit/daemon/test_layering.py), and the pure placement rules come from kvsi
 - `reasons`: why a block was not saved or loaded; `config`: every setting; `metrics`: every exported metric
 - `values`: the domain values requests carry in and results carry out
 - `memory/`: every address; `tenancy/`: credentials, rights, budgets
+- `movers/`: how bytes move, one mover per session memory (host; GPU: staging, streams, the page-locked segment)
 - `sessions/`: sessions and their leases; `tiers/`: the disk tier
-- `gpu/`: the GPU data path (CUDA started in the background, the segment page-locked, staging per device)
 - `datapath/`: save, lookup, load, reset against the store
 - `rpc/`: the gRPC boundary; `daemon/`: the process
 - `cli/`: the command line; `testing/`: real parts for tests, the demo and the bench

@@ -242,9 +242,10 @@ class Config:
     gpu: str = setting(
         "auto",
         help=(
-            "the GPU data path for ranks whose KV cache is CUDA memory: auto (on a node with an NVIDIA driver: CUDA "
-            "started and the segment page-locked in the background at start) or off (CUDA memory refused; a CPU node "
-            "never starts CUDA) (default auto)"
+            "the GPU data path for ranks whose KV cache is CUDA memory: auto (on a node with an NVIDIA driver and "
+            "Mooncake's CUDA build: CUDA started and the segment page-locked in the background at start), off (CUDA "
+            "memory refused; a CPU node never starts CUDA), or cpu (tests: a CPU stands in for a GPU and host memory "
+            "moves through the device path) (default auto)"
         ),
         group=GPU,
     )
@@ -412,8 +413,8 @@ class Config:
             raise ConfigError(f"segment-size must be 0 or >= 16MiB (Mooncake's minimum), got {self.segment_size}")
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
-        if self.gpu not in ("auto", "off"):
-            raise ConfigError(f"gpu must be auto or off, got {self.gpu!r}")
+        if self.gpu not in ("auto", "off", "cpu"):
+            raise ConfigError(f"gpu must be auto, off or cpu, got {self.gpu!r}")
         for name in ("gpu_staging_size", "gpu_bounce_size"):
             if getattr(self, name) < 16 * MiB:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 16MiB, got {getattr(self, name)}")

@@ -1,7 +1,8 @@
 """Every error family of the daemon, in one place; an error's message is always the reason a person reads.
 
 - `RequestError`: a request the daemon refuses, answered to that client alone (rpc/statuses.py maps each class to
-  one gRPC status): `BadRequest`, `Unauthenticated`, `UnknownSession`, `OutOfOrder`, `Forbidden`, `ShuttingDown`.
+  one gRPC status): `BadRequest`, `Unauthenticated`, `UnknownSession`, `OutOfOrder`, `Forbidden`, `ShuttingDown`,
+  `DeviceUnavailable` (the GPU path failed: a sticky CUDA error).
   The placement core's
   `PlacementError` (kvsidecar_contract) is answered like `BadRequest`.
 - `StoreError`: a store call failed as a whole; its `code` is a store.codes.StoreCode (`StoreUnavailable`, the store
@@ -30,6 +31,7 @@ __all__ = [
     "ConfigError",
     "DaemonError",
     "DemoError",
+    "DeviceUnavailable",
     "DiskDirBusy",
     "FenceError",
     "Forbidden",
@@ -77,6 +79,11 @@ class Exhausted(RequestError):
 
 class ShuttingDown(RequestError):
     """The daemon is stopping and takes no new work."""
+
+
+class DeviceUnavailable(RequestError):
+    """The daemon's GPU path cannot move this memory any more (its device hit a sticky CUDA error); the reason says
+    which error, and host memory is still served."""
 
 
 class TooLate(RequestError):

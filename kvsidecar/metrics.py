@@ -104,6 +104,11 @@ class Metrics:
         self.gpu_staging_bytes = Gauge(
             "kvsidecar_gpu_staging_bytes", "GPU memory the daemon holds as staging for device transfers.", registry=r
         )
+        self.gpu_failed = Gauge(
+            "kvsidecar_gpu_failed",
+            "1 once the GPU path hit a sticky CUDA error (GPU requests refused until a restart), else 0.",
+            registry=r,
+        )
         self.store_healthy = Gauge(
             "kvsidecar_store_healthy", "1 when the Mooncake store and its master answer, else 0.", registry=r
         )

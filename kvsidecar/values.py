@@ -56,9 +56,9 @@ class MemfdHandle:
 
 @dataclass(frozen=True, slots=True)
 class CudaHandle:
-    """A CUDA allocation of the engine, as torch's IPC reduction describes it."""
+    """A CUDA allocation of the engine, as torch's IPC reduction describes it, and which GPU it is on."""
 
-    device: int
+    device: int  # the engine's index of the GPU, which may not be the daemon's
     handle: bytes
     storage_size: int
     storage_offset: int
@@ -66,6 +66,7 @@ class CudaHandle:
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
+    device_uuid: str = ""  # the GPU's UUID (empty from an older client)
 
 
 Handle = ShmHandle | CudaHandle | MemfdHandle  # what names a region's memory

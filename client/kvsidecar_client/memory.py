@@ -52,6 +52,7 @@ __all__ = [
     "dense_pieces",
     "describe_region",
     "describe_regions",
+    "device_uuid",
     "region_geometry",
     "segment_of",
     "shared_tensor",
@@ -359,6 +360,14 @@ def cuda_ipc_handle(share: Sequence[Any]) -> pb.CudaIpcHandle:
     )
 
 
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID, by which the daemon finds it whatever index this process gives it (per-process
+    CUDA_VISIBLE_DEVICES makes every rank's GPU its cuda:0)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def describe_region(
     tensor: torch.Tensor,
     groups: Sequence[int],
@@ -412,6 +421,7 @@ def describe_region(
             # Every _share_cuda_() call takes a new slot in torch's IPC reference counter, which only the daemon
             # releases, and the daemon maps views of one storage once: so share each storage once per registration.
             handle = cuda_ipc_handle(storage._share_cuda_())  # type: ignore[no-untyped-call]
+            handle.device_uuid = device_uuid(tensor.device)
             if cuda_handles is not None:
                 cuda_handles[key] = handle
         region.cuda.CopyFrom(handle)

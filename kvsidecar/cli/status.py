@@ -17,7 +17,7 @@ from kvsidecar_client.probe import DaemonProbe
 from kvsidecar_contract.paths import default_socket_path
 from kvsidecar_contract.proto import sidecar_pb2
 
-EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2
+EXIT_HEALTHY, EXIT_STORE_DOWN, EXIT_UNREACHABLE = 0, 1, 2  # 1: the store is down, or the GPU path failed
 
 
 def query(target: str, timeout: float, auth: TcpAuth | None = None) -> dict[str, Any]:
@@ -131,9 +131,14 @@ def run(
         return EXIT_UNREACHABLE
     if not quiet:
         print(json.dumps(info, indent=2) if as_json else render(info))
+    return exit_code(info, live_only)
+
+
+def exit_code(info: dict[str, Any], live_only: bool = False) -> int:
+    """What `status` exits with for what the daemon said: its store down or its GPU path failed is 1."""
     if not info["serving"]:
         return EXIT_UNREACHABLE
-    if live_only or (info["store_healthy"] and info["store_serving"]):
+    if live_only or (info["store_healthy"] and info["store_serving"] and not info.get("gpu_failure")):
         return EXIT_HEALTHY
     return EXIT_STORE_DOWN
 
@@ -160,7 +165,7 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "status",
         help="ask a running daemon how it is",
         description="Health, sessions, store health and counters of a running daemon. Exit 0: healthy; "
-        "1: the daemon answers but its store does not; 2: no daemon answers.",
+        "1: the daemon answers but its store does not, or its GPU path failed; 2: no daemon answers.",
     )
     p.add_argument("--socket", default=default_socket_path(), help="the daemon's Unix socket (default: %(default)s)")
     p.add_argument("--address", default="", help="the daemon's TCP listener instead of the socket, e.g. 10.0.0.5:50070")

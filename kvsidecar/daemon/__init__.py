@@ -2,6 +2,6 @@
 built in order, stopped in reverse), its Unix socket paths, the embedded mooncake_master it supervises, and systemd
 notification.
 
-Imports: config, errors, metrics, fence, store, tenancy, sessions, datapath, tiers, events, gpu, rpc; grpc,
+Imports: config, errors, metrics, fence, store, tenancy, sessions, datapath, tiers, events, movers, rpc; grpc,
 prometheus_client.
 """

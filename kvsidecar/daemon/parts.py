@@ -1,6 +1,6 @@
 """The daemon's serving parts, each built from its own settings in dependency order: tenancy, then (over the store
-and the GPU runtime) sessions, the data path and the service. No socket, no process: the daemon binds its listeners
-around them, and a test builds them over the in-memory store.
+and the GPU runtime) sessions with their memories' movers, the data path and the service. No socket, no process:
+the daemon binds its listeners around them, and a test builds them over the in-memory store.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.fence.guard import Listener
-from kvsidecar.gpu.runtime import GpuRuntime
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
+from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
@@ -32,22 +33,16 @@ def open_tenancy(settings: TenancySettings, metrics: Metrics) -> Tenancy:
         raise DaemonError(str(exc)) from None
 
 
-def _devices(gpu: GpuRuntime) -> GpuRuntime | None:
-    # Without a GPU path (off, or no driver), sessions refuse CUDA memory and the data path has no device side.
-    return gpu if gpu.wanted else None
-
-
 def build_sessions(
     settings: ServiceSettings, shares: ShareLimits, store: Store, metrics: Metrics, gpu: GpuRuntime
 ) -> SessionRegistry:
-    """The sessions, attaching memory through the store's buffer registration, within the daemon's shares."""
+    """The sessions, each memory attached with its mover (over the store, and the GPU path where there is one),
+    within the daemon's shares."""
     return SessionRegistry(
         settings.session_ttl,
-        store.register_buffer,
-        store.unregister_buffer,
+        Movers(store, metrics, gpu),
         metrics=metrics,
         shares=SessionShares.of(shares),
-        devices=_devices(gpu),
     )
 
 
@@ -56,7 +51,6 @@ def build_data_path(
     store: Store,
     metrics: Metrics,
     tenancy: Tenancy,
-    gpu: GpuRuntime,
     events: StoreEvents = NO_EVENTS,
 ) -> DataPath:
     """Saves, lookups and loads against the store, within each tenant's write budget, telling events of writes."""
@@ -66,7 +60,6 @@ def build_data_path(
         budget_of=tenancy.budget,
         events=events,
         max_lookup_hashes=settings.max_lookup_hashes,
-        gpu=_devices(gpu),
     )
 
 
@@ -94,4 +87,5 @@ def build_service(
         side_socket=True,
         listeners=listeners,
         gpu=gpu.describe,
+        gpu_failure=lambda: gpu.failure,
     )

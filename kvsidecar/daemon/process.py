@@ -32,8 +32,8 @@ from kvsidecar.events.feed import NO_EVENTS
 from kvsidecar.events.node import NodeEvents
 from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
-from kvsidecar.gpu.runtime import GpuRuntime
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.rpc.datasocket import DataSocket
 from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
 from kvsidecar.rpc.servicer import SidecarService
@@ -112,10 +112,10 @@ class Daemon:
         gpu.start()
         self._serve_metrics()
         self.kv_events = self._start_events(s.events, store)
-        # The store's buffer registration into the sessions, both into the service.
+        # The store and the GPU path into the sessions' movers, sessions and data path into the service.
         sessions = build_sessions(s.service, s.shares, store, self.metrics, gpu)
         events = self.kv_events.feed if self.kv_events else NO_EVENTS
-        datapath = build_data_path(s.service, store, self.metrics, tenancy, gpu, events)
+        datapath = build_data_path(s.service, store, self.metrics, tenancy, events)
         self.service = build_service(
             s.service,
             datapath,
@@ -314,8 +314,10 @@ class Daemon:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         await self._health.set("", serving)
-        # The Sidecar service answers even when the store is down (lookups miss); its health says so.
-        await self._health.set(SERVICE_NAME, serving if health.healthy else not_serving)
+        # The Sidecar service answers even when the store is down (lookups miss) or the GPU path failed (GPU
+        # requests refused); its health says so.
+        gpu_failed = self.gpu is not None and bool(self.gpu.failure)
+        await self._health.set(SERVICE_NAME, serving if health.healthy and not gpu_failed else not_serving)
 
     async def _housekeep(self) -> None:
         assert self.service is not None

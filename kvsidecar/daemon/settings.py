@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvsidecar.config import Config
 from kvsidecar.fence.daemon import ReportSettings
-from kvsidecar.gpu.runtime import GpuSettings
+from kvsidecar.movers.runtime import GpuSettings
 from kvsidecar.rpc.auth import TlsSettings
 from kvsidecar.rpc.servers import ServerSettings
 from kvsidecar.tenancy.shares import ShareLimits

@@ -17,11 +17,9 @@ from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_out
 from kvsidecar.datapath.backoff import NoSpaceBackoff
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
-from kvsidecar.gpu import transfers as device
-from kvsidecar.gpu.runtime import GpuRuntime
-from kvsidecar.gpu.staging import StagingArea
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.base import Mover
 from kvsidecar.reasons import Reason
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
@@ -45,11 +43,11 @@ __all__ = ["DataPath"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Buffers = tuple[list[int], list[int]]  # a value's slices in engine memory: addresses and sizes
 
 
 class DataPath:
-    """Runs each request's plan with one batch call per step, and counts everything for operators."""
+    """Runs each request's plan with one batch call per step, and counts everything for operators; the bytes move
+    through the session's mover (movers/), whatever memory it is."""
 
     def __init__(
         self,
@@ -59,13 +57,10 @@ class DataPath:
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
         events: StoreEvents = NO_EVENTS,
         max_lookup_hashes: int = MAX_HASHES,
-        gpu: GpuRuntime | None = None,
     ) -> None:
         """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
-        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes); gpu moves the memory of
-        sessions whose KV cache is on a GPU (its staging areas and page-locked segment)."""
+        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes)."""
         self.store = store
-        self.gpu = gpu
         self.max_lookup_hashes = max_lookup_hashes
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
@@ -91,7 +86,8 @@ class DataPath:
         Each request is planned on its own: one whose plan is refused (bad block ids, inconsistent counts) gets
         its error in its place and the others go on. Results are each request's own, as `save` would answer it.
         """
-        memory = session.require_memory()
+        mover = session.require_mover()
+        memory = mover.memory
         out: list[SaveOutcome | Exception | None] = [None] * len(requests)
         plans: list[tuple[int, SavePlan]] = []
         for i, r in enumerate(requests):
@@ -106,17 +102,17 @@ class DataPath:
                 out[i] = SaveOutcome(0, 0, (), plan.others, 0, plan.absent)
         if plans:
             with _holding(memory):
-                staged: list[tuple[int, SavePlan, list[Buffers]]] = []
+                staged: list[tuple[int, SavePlan]] = []
                 for i, plan in plans:
                     try:
-                        staged.append((i, plan, self._buffers(memory, plan.chunks)))
+                        mover.check(plan.chunks)
+                        staged.append((i, plan))
                     except Exception as exc:
                         out[i] = exc
-                chunks = [c for _, plan, _ in staged for c in plan.chunks]
-                buffers = [b for _, _, bufs in staged for b in bufs]
-                results = self._put_missing(session, memory, chunks, buffers, deadline) if chunks else []
+                chunks = [c for _, plan in staged for c in plan.chunks]
+                results = self._put_missing(session, mover, chunks, deadline) if chunks else []
             start = 0
-            for i, plan, _ in staged:
+            for i, plan in staged:
                 end = start + len(plan.chunks)
                 if isinstance(results, StoreCode):  # the existence check failed: nothing was written
                     out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
@@ -132,12 +128,12 @@ class DataPath:
     def _put_missing(
         self,
         session: Session,
-        memory: SessionMemory,
+        mover: Mover,
         chunks: Sequence[Chunk],
-        buffers: Sequence[Buffers],
         deadline: float | None,
     ) -> list[ChunkResult] | StoreCode:
         """Per chunk: PRESENT (already stored), WRITTEN, or why its write failed; a StoreCode if none was asked."""
+        memory = mover.memory
         keys = [c.key for c in chunks]
         try:
             with self._timed("exists"):
@@ -166,32 +162,16 @@ class DataPath:
             for j in todo[fit:]:
                 results[j] = Reason.TENANT_BUDGET
             todo = todo[:fit]
+        codes: list[StoreCode] = []
         if _past(deadline):
             codes = [StoreCode.DEADLINE_EXCEEDED] * len(todo)
         elif todo and self.backoff.active():
             # A full store is evicting in the background; hammering it only slows that down.
             codes = [StoreCode.NO_SPACE] * len(todo)
-        else:
-            try:
-                with self._timed("put"):
-                    if memory.device is None:
-                        codes = self.store.put_from(
-                            [keys[j] for j in todo], [buffers[j][0] for j in todo], [buffers[j][1] for j in todo]
-                        )
-                    else:
-                        codes = device.put(
-                            self.store,
-                            self._area(memory),
-                            memory,
-                            [keys[j] for j in todo],
-                            [chunks[j] for j in todo],
-                            self._store_failed,
-                        )
-            except StoreError as exc:
-                self._store_failed("put", exc)
-                codes = [exc.code] * len(todo)
-            if todo:
-                self.backoff.record(StoreCode.NO_SPACE in codes)
+        elif todo:
+            with self._timed("put"):
+                codes = mover.put([keys[j] for j in todo], [chunks[j] for j in todo])
+            self.backoff.record(StoreCode.NO_SPACE in codes)
             if _past(deadline):
                 codes = self._revoke([keys[j] for j in todo], codes)
         for j, code in zip(todo, codes, strict=True):
@@ -254,7 +234,8 @@ class DataPath:
 
         A request whose plan is refused gets its error in its place; nothing is read for it.
         """
-        memory = session.require_memory()
+        mover = session.require_mover()
+        memory = mover.memory
         kinds = kinds_of(session)
         out: list[LoadOutcome | Exception | None] = [None] * len(requests)
         planned: list[tuple[int, list[Chunk], list[Chunk]]] = []  # (request, its chunks, its NO_BLOCK chunks)
@@ -271,24 +252,25 @@ class DataPath:
                     self.metrics.load_failed_blocks.labels(kinds[c.group], Reason.NO_BLOCK.value).inc()
             planned.append((i, [c for c in plan if c.block_id != NO_BLOCK], nowhere))
         with _holding(memory):
-            staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
+            staged: list[tuple[int, list[Chunk], list[Chunk]]] = []
             for i, reads, nowhere in planned:
                 try:
-                    staged.append((i, reads, nowhere, self._buffers(memory, reads)))
+                    mover.check(reads)
+                    staged.append((i, reads, nowhere))
                 except Exception as exc:
                     out[i] = exc
-            every = [c for _, reads, _, _ in staged for c in reads]
-            codes = self._get(memory, every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
+            every = [c for _, reads, _ in staged for c in reads]
+            codes = self._get(mover, every) if every else []
         start = 0
-        for i, reads, nowhere, _ in staged:
+        for i, reads, nowhere in staged:
             end = start + len(reads)
             out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
             start = end
         return _filled(out)
 
-    def _get(self, memory: SessionMemory, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
-        """Each chunk's read into its buffers; a key read into two blocks (two requests of a step sharing a
-        prefix) is read again in a second batch, so that no batch names a key twice."""
+    def _get(self, mover: Mover, chunks: Sequence[Chunk]) -> list[StoreCode]:
+        """Each chunk's read into its block; a key read into two blocks (two requests of a step sharing a prefix)
+        is read again in a second batch, so that no batch names a key twice."""
         codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
         seen: set[str] = set()
         firsts: list[int] = []
@@ -299,48 +281,11 @@ class DataPath:
         for batch in (firsts, repeats):
             if not batch:
                 continue
-            try:
-                with self._timed("get"):
-                    if memory.device is None:
-                        got = self.store.get_into(
-                            [chunks[j].key for j in batch],
-                            [buffers[j][0] for j in batch],
-                            [buffers[j][1] for j in batch],
-                        )
-                    else:
-                        got = device.get(
-                            self.store,
-                            self._area(memory),
-                            memory,
-                            [chunks[j].key for j in batch],
-                            [chunks[j] for j in batch],
-                            self.gpu.host_segment() if self.gpu is not None else None,
-                            self._store_failed,
-                        )
-            except StoreError as exc:
-                self._store_failed("get", exc)
-                got = [exc.code] * len(batch)
+            with self._timed("get"):
+                got = mover.get([chunks[j].key for j in batch], [chunks[j] for j in batch])
             for j, code in zip(batch, got, strict=True):
                 codes[j] = code
         return codes
-
-    def _buffers(self, memory: SessionMemory, chunks: Sequence[Chunk]) -> list[Buffers]:
-        """Every chunk's slices in engine memory (bounds checked); device memory is moved through views, so its
-        chunks are only checked."""
-        if memory.device is None:
-            return [memory.buffers(c.group, c.block_id, c.part) for c in chunks]
-        for c in chunks:
-            memory.check(c.group, c.block_id, c.part)
-        return []
-
-    def _area(self, memory: SessionMemory) -> StagingArea:
-        """The staging area of the device that holds memory."""
-        if self.gpu is None or memory.device is None:
-            raise BadRequest("this daemon moves no device memory")
-        return self.gpu.area(memory.device)
-
-    def _store_failed(self, operation: str, exc: StoreError) -> None:
-        self.metrics.store_errors.labels(operation, exc.code.value).inc()
 
     def reset(self, session: Session) -> int:
         """Remove every block of the session's model under its cache prefix, and nothing else."""

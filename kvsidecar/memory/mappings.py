@@ -22,7 +22,7 @@ from kvsidecar.errors import BadRequest, Forbidden
 from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
 from kvsidecar.memory.memfd import MemfdMapping
 from kvsidecar.memory.populate import Populator
-from kvsidecar.memory.views import host_tensor
+from kvsidecar.memory.slices import host_tensor
 from kvsidecar.values import CudaHandle, Handle, MemfdHandle, ShmHandle
 
 __all__ = ["SHM_DIR", "CudaIpcMapping", "Mapping", "MemfdMapping", "Opener", "ShmMapping"]
@@ -110,9 +110,10 @@ class ShmMapping:
 
 
 class CudaIpcMapping:
-    """A CUDA allocation of another process, opened through torch's IPC handles."""
+    """A CUDA allocation of another process, opened through torch's IPC handles on the daemon's own device `ordinal`
+    (the engine's index for the device means nothing here: each rank may see its GPU as cuda:0)."""
 
-    def __init__(self, handle: CudaHandle, size: int) -> None:
+    def __init__(self, handle: CudaHandle, size: int, ordinal: int) -> None:
         try:
             import torch
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -130,7 +131,7 @@ class CudaIpcMapping:
                 0,
                 torch.UntypedStorage,
                 torch.uint8,
-                handle.device,
+                ordinal,
                 handle.handle,
                 handle.storage_size,
                 handle.storage_offset,
@@ -144,8 +145,8 @@ class CudaIpcMapping:
             raise BadRequest(f"cannot open CUDA IPC handle: {exc}") from None
         self.address = int(self._tensor.data_ptr())
         self.size = size
-        self.identity: tuple[object, ...] = ("cuda", handle.device, bytes(handle.handle), handle.storage_offset)
-        self.device = f"cuda:{handle.device}"
+        self.identity: tuple[object, ...] = ("cuda", ordinal, bytes(handle.handle), handle.storage_offset)
+        self.device = f"cuda:{ordinal}"
 
     def tensor(self) -> Any:
         """The allocation as a 1-D uint8 tensor on its device (what the device path's views are cut from)."""
@@ -172,10 +173,10 @@ class Opener:
         *,
         shm_names: bool = False,
         shm_dir: str = SHM_DIR,
-        cuda: Callable[[], None] | None = None,
+        cuda: Callable[[CudaHandle], int] | None = None,
     ) -> None:
-        """cuda waits until the daemon's GPU path can take CUDA memory, or raises why it cannot; without it CUDA
-        regions are refused."""
+        """cuda gives the daemon's ordinal of the GPU a CUDA handle's memory is on (waiting until the GPU path can
+        take CUDA memory), or raises why it cannot; without it CUDA regions are refused."""
         self._fds = fds
         self._shm_names = shm_names
         self._shm_dir = shm_dir
@@ -200,7 +201,7 @@ class Opener:
                 raise BadRequest(f"region {i}: shared-memory name is empty")
             return "shm:" + handle.name
         if isinstance(handle, CudaHandle):
-            return f"cuda:{handle.device}:{handle.handle.hex()}:{handle.storage_offset}"
+            return f"cuda:{handle.device_uuid or handle.device}:{handle.handle.hex()}:{handle.storage_offset}"
         raise BadRequest(f"region {i}: needs a shm or cuda handle, or a memfd")
 
     def open(self, handle: Handle | None, size: int) -> Mapping:
@@ -212,8 +213,8 @@ class Opener:
         if isinstance(handle, CudaHandle):
             if self._cuda is None:
                 raise BadRequest("CUDA memory, but this daemon has no GPU path: register host memory instead")
-            self._cuda()  # the contexts start in the background: a registration right after the daemon's start waits
-            return CudaIpcMapping(handle, size)
+            # The contexts start in the background: a registration right after the daemon's start waits for them.
+            return CudaIpcMapping(handle, size, self._cuda(handle))
         raise BadRequest("a region needs a shm or cuda handle, or a memfd")
 
 

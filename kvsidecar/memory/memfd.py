@@ -13,7 +13,7 @@ from typing import Any
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory.backing import backed_bytes, require_backed, require_shmem
 from kvsidecar.memory.populate import Populator
-from kvsidecar.memory.views import host_tensor
+from kvsidecar.memory.slices import host_tensor
 
 __all__ = ["MemfdMapping"]
 

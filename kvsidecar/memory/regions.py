@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 
 from kvsidecar.errors import BadRequest
 from kvsidecar.memory.mappings import Mapping
-from kvsidecar.memory.views import SliceTemplate, ValueViews
+from kvsidecar.memory.slices import SliceTemplate
 from kvsidecar.values import Handle, RegionRequest
 from kvsidecar_contract.limits import MAX_REGIONS
 from kvsidecar_contract.placement import StateCut
@@ -64,8 +64,6 @@ class SessionMemory:
         num_groups: int,
         opener: MappingOpener,
         cuts: Sequence[Cut] = (),
-        *,
-        host_views: bool = False,
     ) -> None:
         """Check every region, then map each distinct piece of memory once; all or nothing.
 
@@ -75,8 +73,8 @@ class SessionMemory:
         in order, is one layer's recurrent state after another, and each value is one of the rank's state pieces:
         byte ranges of every layer (rule 12).
 
-        Memory on a GPU gets the device path's copy plan (`views`, `device`); host_views builds it for host memory
-        too, where the device path stands in for a GPU's (tests of that path on a machine without one).
+        `device` says which GPU holds the memory (None: host memory); `templates`, where every value's slices lie,
+        are what a mover that copies whole batches plans with (kvsidecar/movers).
         """
         cuts = list(cuts) or [(1, 1)] * num_groups
         parts = [1 if isinstance(c, StateCut) else c[0] for c in cuts]
@@ -137,7 +135,7 @@ class SessionMemory:
         self.host_bytes = sum(m.size for m in self.mappings.values() if m.identity[0] in ("memfd", "shm"))
         self._blocks_in_group = [min(r.num_blocks for r in regions) for regions in self.groups]
         key_of = {id(m): key for key, m in self.mappings.items()}
-        # Where each value's slices lie, per group and part: the addresses above, as the device path's copy plan.
+        # Where each value's slices lie, per group and part: the addresses above, as templates for copy plans.
         self.templates = [
             [
                 [
@@ -148,19 +146,7 @@ class SessionMemory:
             ]
             for rs, group in zip(self.groups, merged, strict=True)
         ]
-        self.device = _device_of(list(self.mappings.values()), host_views)
-        self._views: dict[tuple[int, int], ValueViews] = {}
-        if self.device is not None:
-            try:
-                tensors = {key: m.tensor() for key, m in self.mappings.items()}
-                self._views = {
-                    (g, p): ValueViews(templates, tensors)
-                    for g, per_part in enumerate(self.templates)
-                    for p, templates in enumerate(per_part)
-                }
-            except BaseException:
-                self.close()
-                raise
+        self.device = _device_of(list(self.mappings.values()))
 
     def buffers(self, group: int, block_id: int, part: int = 0) -> tuple[list[int], list[int]]:
         """Addresses and sizes of one stored value: its slices of the group's regions, in the value's order.
@@ -186,10 +172,6 @@ class SessionMemory:
         if not 0 <= part < len(self._tables[group]):
             raise BadRequest(f"group {group}: value part {part} of a block cut in {len(self._tables[group])}")
 
-    def views(self, group: int, part: int = 0) -> ValueViews:
-        """The device path's copy plan of (group, part); only for memory with a `device`."""
-        return self._views[(group, part)]
-
     def _out_of_bounds(self, group: int, block_id: int) -> None:
         for i, region in enumerate(self.groups[group]):
             if not 0 <= block_id < region.num_blocks:
@@ -213,23 +195,24 @@ class SessionMemory:
             self._in_flight -= 1
             self._lock.notify_all()
 
-    def close(self, unregister: Callable[[int], None] | None = None) -> None:
-        """Unmap everything once in-flight store calls are done; later acquire() calls fail."""
+    def close(self, idle: Callable[[], None] = lambda: None) -> None:
+        """Once no store call uses the memory, run `idle` (its mover lets go of it), then unmap everything; later
+        acquire() calls fail."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             # Unmapping under a running transfer would crash the daemon: wait for them (they are bounded).
             self._lock.wait_for(lambda: self._in_flight == 0)
-        self._views = {}  # they point into the mappings
-        for m in self.mappings.values():
-            if unregister is not None:
-                unregister(m.address)
-            m.close()
+        try:
+            idle()
+        finally:
+            for m in self.mappings.values():
+                m.close()
 
 
-def _device_of(mappings: Sequence[Mapping], host_views: bool) -> str | None:
-    """ "cuda:N" when every mapping is CUDA memory of device N; "cpu" for host memory under host_views; else None.
+def _device_of(mappings: Sequence[Mapping]) -> str | None:
+    """ "cuda:N" when every mapping is CUDA memory of the daemon's device N; None for host memory.
 
     A session's memory is on one device or none: its values are gathered and scattered on that device."""
     devices = {m.device for m in mappings}
@@ -238,9 +221,7 @@ def _device_of(mappings: Sequence[Mapping], host_views: bool) -> str | None:
             f"a session's regions must all be host memory or all on one GPU, got {', '.join(sorted(devices))}"
         )
     (device,) = devices
-    if device != "cpu":
-        return device
-    return "cpu" if host_views else None
+    return None if device == "cpu" else device
 
 
 def _common(values: Sequence[int]) -> int | None:

@@ -98,9 +98,11 @@ class Handlers:
         side_socket: bool = False,
         listeners: Callable[[], list[tuple[Listener, int]]] = list,
         gpu: Callable[[], str] = lambda: "off",
+        gpu_failure: Callable[[], str] = lambda: "",
     ) -> None:
         """side_socket: whether sessions get a side secret (the daemon serves a side socket); listeners: every
-        listener of the daemon with the packets it refused (the fence's report); gpu: the GPU path's state."""
+        listener of the daemon with the packets it refused (the fence's report); gpu: the GPU path's state, and
+        gpu_failure why it failed ("" while it has not)."""
         self.datapath = datapath
         self.sessions = sessions
         self.tenancy = tenancy
@@ -109,6 +111,7 @@ class Handlers:
         self._side_socket = side_socket
         self._listeners = listeners
         self._gpu = gpu
+        self._gpu_failure = gpu_failure
         # KeepAlive and Stats answer from this, refreshed by the daemon's housekeeping: asking a slow master on
         # the event loop would stall every tenant's requests.
         self.health = StoreHealth(False, "not checked yet")
@@ -288,6 +291,7 @@ class Handlers:
             ",".join(sorted(scope.tenants)),
             self._listeners(),
             self._gpu(),
+            self._gpu_failure(),
         )
 
     def _answers(

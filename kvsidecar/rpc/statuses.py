@@ -6,6 +6,7 @@ import grpc
 
 from kvsidecar.errors import (
     BadRequest,
+    DeviceUnavailable,
     Exhausted,
     Forbidden,
     OutOfOrder,
@@ -31,6 +32,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
     Forbidden: grpc.StatusCode.PERMISSION_DENIED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    DeviceUnavailable: grpc.StatusCode.UNAVAILABLE,
     Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TooLate: grpc.StatusCode.DEADLINE_EXCEEDED,  # as gRPC itself answers a call whose deadline passed waiting
     RequestError: grpc.StatusCode.INTERNAL,
@@ -38,7 +40,14 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
 
 # Errors about the session or the daemon, the same for every item of a batch: they fail a SaveBatch or LoadBatch as
 # a whole (with the status above); any other error of an item is that item's own, answered in its result.
-SESSION_ERRORS: tuple[type[Exception], ...] = (Unauthenticated, UnknownSession, OutOfOrder, Forbidden, ShuttingDown)
+SESSION_ERRORS: tuple[type[Exception], ...] = (
+    Unauthenticated,
+    UnknownSession,
+    OutOfOrder,
+    Forbidden,
+    ShuttingDown,
+    DeviceUnavailable,
+)
 
 MAX_REASON_CHARS = 2048  # reasons may quote client input; gRPC clients refuse trailers past 16 KiB
 

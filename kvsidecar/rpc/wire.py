@@ -170,6 +170,7 @@ def regions(items: Sequence[Any]) -> list[RegionRequest]:
                 ref_counter_offset=c.ref_counter_offset,
                 event_handle=c.event_handle,
                 event_sync_required=c.event_sync_required,
+                device_uuid=c.device_uuid,
             )
         out.append(
             RegionRequest(
@@ -372,6 +373,7 @@ def stats_response(
     caller_tenant: str = "",
     listeners: Sequence[tuple[Listener, int]] = (),
     gpu: str = "",
+    gpu_failure: str = "",
 ) -> pb.StatsResponse:
     """The daemon's state for operators, with every listener and the packets it refused, and the GPU path's."""
     return pb.StatsResponse(
@@ -389,6 +391,7 @@ def stats_response(
             for item, drops in listeners
         ],
         gpu=gpu,
+        gpu_failure=gpu_failure,
     )
 
 

@@ -11,13 +11,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
 
 from kvsidecar.errors import BadRequest, Forbidden, OutOfOrder, UnknownSession
 from kvsidecar.memory.mappings import Opener
 from kvsidecar.memory.owners import MappingOwners
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.base import Mover
+from kvsidecar.movers.factory import Movers
 from kvsidecar.sessions.session import Session
 from kvsidecar.sessions.shapes import ValueShapes
 from kvsidecar.tenancy.live import Grant
@@ -33,43 +34,26 @@ __all__ = ["SessionRegistry"]
 log = logging.getLogger(__name__)
 
 
-class Devices(Protocol):
-    """The GPU path as sessions see it (gpu.runtime.GpuRuntime)."""
-
-    def wait_ready(self) -> None:
-        """Wait until CUDA memory can be taken; raise BadRequest with the reason it cannot."""
-
-    def admit(self, memory: SessionMemory) -> None:
-        """Raise BadRequest unless the path can move this memory's values (its device, their sizes)."""
-
-
 class SessionRegistry:
     """Open sessions by id and the memory they attach; a session not renewed within the TTL is closed and released,
     unless its process holds a liveness connection: then it lives exactly as long as that connection.
 
-    register / unregister are the store's buffer registration (Store.register_buffer / unregister_buffer).
+    movers gives each attached memory its mover (movers/factory.py): the store's registration of host memory, the
+    GPU path's staging for GPU memory (which it refuses without one).
     """
 
     def __init__(
         self,
         ttl: float,
-        register: Callable[[int, int], None],
-        unregister: Callable[[int], None],
+        movers: Movers,
         *,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         shares: SessionShares | None = None,
-        devices: Devices | None = None,
-        host_views: bool = False,
     ) -> None:
-        """devices: the GPU path, which takes CUDA memory (without it CUDA memory is refused); host_views: host memory
-        moves through the device path too, a CPU standing in for a GPU (tests of that path)."""
         self.ttl = ttl
-        self._devices = devices
-        self._host_views = host_views
+        self._movers = movers
         self.shares = shares or SessionShares()
-        self._register = register
-        self._unregister = unregister
         self._metrics = metrics or Metrics()
         self._clock = clock
         self._owners = MappingOwners()
@@ -201,7 +185,7 @@ class SessionRegistry:
         return session
 
     def attach(self, session: Session, regions: Sequence[RegionRequest]) -> SessionMemory:
-        """Map a rank's regions, claim them and register them with the store, once per session; all or nothing."""
+        """Map a rank's regions, claim them and give them their mover, once per session; all or nothing."""
         if session.role is not Role.RANK:
             raise Forbidden("a scheduler session cannot register memory")
         began = time.monotonic()
@@ -214,9 +198,8 @@ class SessionRegistry:
             memory = SessionMemory(
                 regions,
                 len(session.layout.groups),
-                Opener(fds, shm_names=session.shm_names, cuda=self._devices.wait_ready if self._devices else None),
+                Opener(fds, shm_names=session.shm_names, cuda=self._movers.cuda_ordinal),
                 [session.layout.value_cut(g) for g in range(len(session.layout.groups))],
-                host_views=self._host_views,
             )
         except BaseException:
             self._give_memfds(session, session.memfds_counted)
@@ -228,11 +211,8 @@ class SessionRegistry:
             session, session.memfds_counted - sum(m.identity[0] == "memfd" for m in memory.mappings.values())
         )
         counted = 0
+        mover: Mover | None = None
         try:
-            if memory.device is not None:
-                if self._devices is None:
-                    raise BadRequest("this daemon moves no device memory")
-                self._devices.admit(memory)
             self._take_bytes(session, memory.host_bytes)
             counted = memory.host_bytes
             try:
@@ -251,8 +231,7 @@ class SessionRegistry:
                     for prefix, shape in zip(geo.own, shapes, strict=True)
                 ],
             )
-            for m in memory.mappings.values():
-                self._register(m.address, m.size)
+            mover = self._movers.mover(memory)
             with session.lock:
                 # A CloseSession may have released the session while its memory was being mapped.
                 if session.closed:
@@ -260,12 +239,13 @@ class SessionRegistry:
                 if session.memory is not None:
                     raise OutOfOrder("memory is already registered for this session (once per session)")
                 session.memory = memory
+                session.mover = mover
                 session.bytes_counted = counted
         except BaseException:
             self.shares.registered_bytes.give(session.account, counted)
             self._owners.release(session.id, memory)
             self._shapes.release(session.id)
-            memory.close(self._unregister_quietly)
+            memory.close(mover.close if mover is not None else _nothing)
             self._give_memfds(session, session.memfds_counted)
             raise
         self._metrics.regions_bytes.inc(memory.mapped_bytes)
@@ -356,6 +336,7 @@ class SessionRegistry:
         with session.lock:
             session.closed = True
             memory, session.memory = session.memory, None
+            mover, session.mover = session.mover, None
             fds, session.pending_fds = session.pending_fds, []
             memfds, session.memfds_counted = session.memfds_counted, 0
             counted, session.bytes_counted = session.bytes_counted, 0
@@ -367,14 +348,11 @@ class SessionRegistry:
             self._metrics.regions_bytes.dec(memory.mapped_bytes)
             self._owners.release(session.id, memory)
             self._shapes.release(session.id)
-            memory.close(self._unregister_quietly)
+            memory.close(mover.close if mover is not None else _nothing)
 
-    def _unregister_quietly(self, address: int) -> None:
-        # Unregistering is best-effort cleanup of a mapping that is going away anyway; the store may be down.
-        try:
-            self._unregister(address)
-        except Exception as exc:
-            log.warning("could not unregister buffer %#x from the store: %s", address, exc)
+
+def _nothing() -> None:
+    pass
 
 
 def _close_fds(fds: Sequence[int]) -> None:

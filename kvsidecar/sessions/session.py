@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvsidecar.errors import Forbidden, OutOfOrder
 from kvsidecar.memory.regions import SessionMemory
+from kvsidecar.movers.base import Mover
 from kvsidecar.tenancy.table import SINGLE_TENANT, Caller
 from kvsidecar.values import Role, SessionSummary
 from kvsidecar_contract.placement import Geometry, Layout
@@ -27,6 +28,7 @@ class Session:
     opened_at: float
     expires_at: float
     memory: SessionMemory | None = None
+    mover: Mover | None = None  # how its memory's bytes move (set with memory, at registration)
     lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: int = 0  # requests running now; a busy session never expires
     closed: bool = False  # set (under `lock`) when the session is released; nothing may attach to it afterwards
@@ -52,6 +54,13 @@ class Session:
         if self.memory is None:
             raise OutOfOrder("no memory registered: call RegisterMemory once before Save or Load")
         return self.memory
+
+    def require_mover(self) -> Mover:
+        """The mover of the session's memory, for saves and loads."""
+        self.require_memory()
+        if self.mover is None:
+            raise OutOfOrder("no memory registered: call RegisterMemory once before Save or Load")
+        return self.mover
 
     def summary(self, now: float) -> SessionSummary:
         """What operators see of this session at time now."""

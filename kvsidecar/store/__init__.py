@@ -1,5 +1,6 @@
 """The store: the only code that touches Mooncake, behind one whole interface (base.Store), with the in-memory
-double for unit tests, the one place that knows Mooncake's numbers (codes) and what its setup prints (setup_output).
+double for unit tests, the one place that knows Mooncake's numbers (codes), what its setup prints (setup_output) and
+which of its builds is installed (build).
 
 Imports: errors; mooncake.
 """

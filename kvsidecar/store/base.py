@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 from kvsidecar.errors import StoreError
@@ -71,10 +71,11 @@ class Store(Protocol):
         """One batch get; OK only when exactly sum(sizes) bytes were written for that key."""
         ...
 
-    def locate(self, keys: Sequence[str]) -> list[Replica | None]:
-        """Per key, its value's complete replica in this process's own segment memory, read-leased as a get is
-        (the master's lease time), for the device path to copy itself; None where it is not there (absent, on
-        another node, only on disk)."""
+    def locate(self, keys: Sequence[str]) -> Iterable[Replica | None]:
+        """Per key in order, its value's complete replica in this process's own segment memory, read-leased as a get
+        is (the master's lease time, taken by the call), for the device mover to copy itself; None where it is not
+        there (absent, on another node, only on disk). What is read per key may be read as the caller iterates, so
+        that its copies start before the last key is known."""
         ...
 
     def segment(self) -> Replica | None:

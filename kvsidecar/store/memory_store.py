@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import re
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvsidecar.errors import StoreError
 from kvsidecar.store.base import Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
@@ -136,7 +136,7 @@ class MemoryStore:
             self._check_open()
             return [self._get_one(key, a, s) for key, a, s in zip(keys, addresses, sizes, strict=True)]
 
-    def locate(self, keys: Sequence[str]) -> list[Replica | None]:
+    def locate(self, keys: Sequence[str]) -> Iterable[Replica | None]:
         """None for every key: values live in Python objects here, not in a segment anyone may copy from."""
         with self._lock:
             self._check_open()

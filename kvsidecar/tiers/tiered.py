@@ -18,7 +18,7 @@ from disk, what only its DRAM held is a miss, and no read is sent to the dead se
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvsidecar.errors import StoreError
 from kvsidecar.store.base import Presence, Replica, Store, StoreHealth, check_batch_shapes
@@ -152,7 +152,7 @@ class TieredStore:
             self._on_served([tier[j] for j in ok], [sum(sizes[j]) for j in ok])
         return codes
 
-    def locate(self, keys: Sequence[str]) -> list[Replica | None]:
+    def locate(self, keys: Sequence[str]) -> Iterable[Replica | None]:
         """DRAM's replicas in this process's segment (none while the disk alone is asked)."""
         return [None] * len(keys) if self.disk_only() else self.dram.locate(keys)
 

@@ -1,6 +1,6 @@
-"""GPU check 10's driver: cold and warm vLLM engines through a real daemon, KV over CUDA IPC; prints RESULT lines.
+"""The GPU check's vLLM driver: cold and warm vLLM engines through a real daemon, KV over CUDA IPC; prints RESULT lines.
 
-Run by 10-vllm-inference.sh in the vLLM venv, with tests/vllm_real and tests/vllm_connector on PYTHONPATH (the
+Run by scripts/gpu/vllm.sh in the vLLM venv, with tests/vllm_real and tests/vllm_connector on PYTHONPATH (the
 tiny models, the switchable-noise connector and the daemon starter the CPU tests use).
 """
 

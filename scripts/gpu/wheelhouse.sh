@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds, on a machine with PyPI and Debian's archive, everything the GPU check needs that a GPU machine without a
 # registry lacks, into one folder of at most 60 MiB (default .gpu-wheelhouse, ignored by git): carry it over and run
-# scripts/gpu/offline-check.sh there. The GPU machine brings Python 3.12 with CUDA torch, transformers and numpy.
+# scripts/gpu-check.sh there. The GPU machine brings Python 3.12 with CUDA torch, transformers, numpy and pytest.
+# The daemon's own wheels come at the versions its venv resolved (scripts/setup.sh first): it fails, saying so, when
+# a version or a download is missing, rather than leave a wheelhouse the GPU machine cannot install from.
 #   WHEELHOUSE=dir   where it goes (default .gpu-wheelhouse)
 #   PYTHON_TAG=312   the GPU machine's CPython (cp312)
 # Contents:
@@ -18,7 +20,7 @@ OUT=${WHEELHOUSE:-.gpu-wheelhouse}
 TAG=${PYTHON_TAG:-312}
 MOONCAKE=0.3.13.post1
 PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+command -v "$PY" >/dev/null || { echo "wheelhouse: no $PY: run scripts/setup.sh first (the wheels take its venv's versions)" >&2; exit 1; }
 rm -rf "$OUT"
 mkdir -p "$OUT/wheels" "$OUT/libs"
 tmp=$(mktemp -d)
@@ -28,14 +30,30 @@ for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2
   manylinux_2_17 manylinux2014 manylinux1; do
   platforms+=(--platform "${p}_x86_64")
 done
-download() { "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$TAG" --implementation cp \
-  "${platforms[@]}" -d "$1" "${@:2}" 2>&1 | grep -v "is ignored: it is neither" || true; }
+download() {
+  local log
+  log=$("$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$TAG" --implementation cp \
+    "${platforms[@]}" -d "$1" "${@:2}" 2>&1) || {
+    grep -v "is ignored: it is neither" <<<"$log" >&2
+    echo "wheelhouse: pip download failed for ${*:2}" >&2
+    exit 1
+  }
+}
 
 # The daemon's Python needs, at the versions its own venv resolved (so the GPU check runs what CI tested).
-version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-download "$OUT/wheels" "grpcio==$(version grpcio)" "grpcio-health-checking==$(version grpcio-health-checking)" \
-  "grpcio-reflection==$(version grpcio-reflection)" "protobuf==$(version protobuf)" "msgspec==$(version msgspec)" \
-  "pyzmq==$(version pyzmq)"
+needs=(grpcio grpcio-health-checking grpcio-reflection protobuf msgspec pyzmq)
+pins=()
+for name in "${needs[@]}"; do
+  v=$("$PY" -c "import importlib.metadata as m; print(m.version('$name'))" 2>/dev/null) || {
+    echo "wheelhouse: $PY has no $name: run scripts/setup.sh first (the wheels take its venv's versions)" >&2
+    exit 1
+  }
+  pins+=("$name==$v")
+done
+download "$OUT/wheels" "${pins[@]}"
+for name in "${needs[@]}"; do
+  compgen -G "$OUT/wheels/${name//-/_}-*.whl" >/dev/null || { echo "wheelhouse: no wheel of $name came" >&2; exit 1; }
+done
 
 # Mooncake's CUDA build, without what the daemon never loads (process group, EP, bench, the real client).
 download "$tmp" "mooncake-transfer-engine==$MOONCAKE" nvidia-cuda-runtime-cu12

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 from kvsidecar.daemon.master import EmbeddedMaster
+from kvsidecar.movers.device import DeviceMover
 from kvsidecar.store import StoreCode
 from kvsidecar.store.mooncake_store import MooncakeStore
 from kvsidecar.tiers.engine import DiskEngine
 from kvsidecar.tiers.tiered import TieredStore
 from kvsidecar_contract.placement import GroupSpec, Kind
-from support.devicepath import hashes, rank
+from support.devicepath import KiB, hashes, rank
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
@@ -52,7 +53,7 @@ def test_the_store_locates_replicas_in_its_own_segment_only(mooncake_store, key_
     data = ctypes.create_string_buffer(b"v" * 4096)
     keys = [f"{key_prefix}{i}" for i in range(3)]
     assert mooncake_store.put_from(keys, [[ctypes.addressof(data)]] * 3, [[4096]] * 3) == [StoreCode.OK] * 3
-    found = mooncake_store.locate([*keys, f"{key_prefix}absent"])
+    found = list(mooncake_store.locate([*keys, f"{key_prefix}absent"]))
     assert found[3] is None
     for replica in found[:3]:
         assert replica is not None and replica.size == 4096
@@ -83,13 +84,43 @@ def test_a_device_load_copies_from_the_segment_and_every_byte_arrives(mooncake_s
         h = hashes(key_prefix, 8)
         assert r.save(h, [list(range(8))] * 2).written == 16
         keys = [k for k in _keys(r, h)]
-        assert all(x is not None for x in mooncake_store.locate(keys)), "the values are in this process's segment"
+        assert None not in list(mooncake_store.locate(keys)), "the values are in this process's segment"
         originals = {(g, b): r.value(g, b) for g in range(2) for b in range(8)}
         out = r.load(h, [list(range(16, 24)), list(range(24, 32))])
         assert (out.loaded, out.failures) == (16, ())
         assert counting.read == 0, "every value was copied from its replica in the segment, none read by the store"
         for g, first in ((0, 16), (1, 24)):
             assert [r.value(g, first + b) for b in range(8)] == [originals[(g, b)] for b in range(8)]
+
+
+def test_values_a_save_laid_side_by_side_come_back_in_one_copy(mooncake_store, key_prefix):
+    # A block stored as one value per KV head (rule 11): a batch put lays each block's two values one after the other,
+    # so no two values of one head are adjacent in the segment. Placed in staging in the order the request names
+    # them, they are: the whole load is one host-to-device copy (one per value before), scattered as strided views.
+    with rank(mooncake_store, heads=2, model=f"{key_prefix}m") as r:
+        r.fill(13)
+        h = hashes(key_prefix, 8)
+        assert r.save(h, [list(range(8))]).written == 16
+        originals = [r.value(0, b) for b in range(8)]
+        mover = r.session.require_mover()
+        assert isinstance(mover, DeviceMover)
+        before = mover.copies
+        out = r.load(h, [list(range(16, 24))])
+        assert (out.loaded, out.failures) == (16, ())
+        assert mover.copies - before == 1
+        assert [r.value(0, b) for b in range(16, 24)] == originals
+
+
+def test_values_smaller_than_an_index_entry_move_in_rounds_of_the_index_buffer(mooncake_store, key_prefix):
+    # 64-byte values: a 1 KiB slot holds 16 of them but has index room for 4 block ids (one per 256 bytes).
+    with rank(mooncake_store, block_bytes=16, staging_bytes=4 * KiB, bounce_bytes=4 * KiB, model=f"{key_prefix}m") as r:
+        r.fill(14)
+        h = hashes(key_prefix, 10)
+        assert r.save(h, [list(range(10))]).written == 10
+        originals = [r.value(0, b) for b in range(10)]
+        out = r.load(h, [list(range(20, 30))])
+        assert (out.loaded, out.failures) == (10, ())
+        assert [r.value(0, b) for b in range(20, 30)] == originals
 
 
 def test_a_device_save_is_written_behind_from_the_dram_replica(mooncake_store, key_prefix, tmp_path):

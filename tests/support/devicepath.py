@@ -1,7 +1,7 @@
-"""The device (GPU) path with a CPU standing in for the GPU: a rank's KV cache in /dev/shm, a session over a given
-store, and the same data path the daemon runs on a GPU node (staging, views, rounds, direct copies of the segment).
+"""The device mover with a CPU standing in for the GPU: a rank's KV cache in /dev/shm, a session over a given store,
+and the same data path the daemon runs on a GPU node (staging slots, plans, rounds, direct copies of the segment).
 
-What it cannot show is CUDA itself (streams, page-locking, IPC): scripts/gpu/ checks that on a GPU.
+What it cannot show is CUDA itself (streams running ahead, page-locking, IPC): tests/gpu checks that on a GPU.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from multiprocessing import shared_memory
 from prometheus_client import CollectorRegistry
 
 from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.accelerators import Accelerator
+from kvsidecar.movers.factory import Movers
+from kvsidecar.movers.runtime import GpuRuntime, GpuSettings
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Store
@@ -38,6 +40,8 @@ class Rank:
     datapath: DataPath
     registry: SessionRegistry
     regions: list[RegionRequest]
+    runtime: GpuRuntime | None
+    metrics: Metrics
 
     def fill(self, seed: int) -> None:
         """Distinct bytes everywhere (which block and which byte each came from)."""
@@ -47,10 +51,13 @@ class Rank:
         self.segment.buf[:] = bytes(data)
 
     def value(self, group: int, block: int) -> bytes:
-        """The bytes of a block as the host path addresses them (the oracle)."""
+        """The bytes of a block as the host path addresses them (the oracle): its values, every part of it."""
         memory = self.session.require_memory()
-        addresses, sizes = memory.buffers(group, block)
-        return b"".join(ctypes.string_at(a, n) for a, n in zip(addresses, sizes, strict=True))
+        out = []
+        for part in range(len(memory.part_bytes[group])):
+            addresses, sizes = memory.buffers(group, block, part)
+            out += [ctypes.string_at(a, n) for a, n in zip(addresses, sizes, strict=True)]
+        return b"".join(out)
 
     def save(self, hashes: Sequence[bytes], ids: Sequence[Sequence[int]]):  # type: ignore[no-untyped-def]
         return self.datapath.save(self.session, SaveArgs(hashes, ids, len(hashes) * BLOCK_TOKENS))
@@ -62,14 +69,11 @@ class Rank:
 
 
 def layers(
-    segment: shared_memory.SharedMemory, n: int, block_bytes: int, blocks: int, group: int
+    segment: shared_memory.SharedMemory, n: int, block_bytes: int, blocks: int, group: int, heads: int = 0
 ) -> list[RegionRequest]:
     """n layers of one buffer, layer-major (vLLM 0.33's allocation): one region each, one run for the views."""
-    size, name = len(segment.buf), segment.name
-    return [
-        RegionRequest(ShmHandle(name), size, i * block_bytes * blocks, block_bytes, block_bytes, blocks, (group,))
-        for i in range(n)
-    ]
+    handle, size, layer = ShmHandle(segment.name), len(segment.buf), block_bytes * blocks
+    return [RegionRequest(handle, size, i * layer, block_bytes, block_bytes, blocks, (group,), heads) for i in range(n)]
 
 
 @contextmanager
@@ -84,28 +88,31 @@ def rank(
     staging_bytes: int = 1 << 20,
     bounce_bytes: int = 256 * KiB,
     model: str = "dev/model",
+    accelerator: Accelerator | None = None,
+    heads: int = 0,
 ) -> Iterator[Rank]:
-    """A rank on the device path (device=False: the host path, the same memory layout) over store."""
+    """A rank on the device path (device=False: the host path, the same memory layout) over store; staging and
+    bounce are the device's whole area (SLOTS slots); accelerator: a stand-in CPU of the test's own; heads: KV
+    heads of every block, each block stored as one value per head (rule 11, shared across TP sizes)."""
     per_group = layers_per_group * block_bytes * blocks
     segment = shared_memory.SharedMemory(create=True, size=per_group * len(groups))
     segment.buf[:] = bytes(len(segment.buf))
     metrics = Metrics(CollectorRegistry())
     runtime = None
     if device:
-        runtime = GpuRuntime(GpuSettings("auto", staging_bytes, bounce_bytes), store, metrics, devices=["cpu"])
+        given = [accelerator] if accelerator is not None else None
+        runtime = GpuRuntime(GpuSettings("cpu", staging_bytes, bounce_bytes), store, metrics, devices=given)
         runtime.start()
-    registry = SessionRegistry(
-        60, store.register_buffer, store.unregister_buffer, metrics=metrics, devices=runtime, host_views=device
-    )
+    registry = SessionRegistry(60, Movers(store, metrics, runtime), metrics=metrics)
     regions = []
     for g in range(len(groups)):
-        for r in layers(segment, layers_per_group, block_bytes, blocks, g):
+        for r in layers(segment, layers_per_group, block_bytes, blocks, g, heads):
             regions.append(dataclasses.replace(r, offset=r.offset + g * per_group))
-    layout = Layout(model, tuple(groups), Parallel(), 1, BLOCK_TOKENS)
+    layout = Layout(model, tuple(groups), Parallel(), max(heads, 1), BLOCK_TOKENS, share_tp_size=heads)
     session = registry.open(Role.RANK, layout, 32, "device-path-test", grant=_trusted())
     registry.attach(session, regions)
     try:
-        yield Rank(segment, session, DataPath(store, metrics, gpu=runtime), registry, regions)
+        yield Rank(segment, session, DataPath(store, metrics), registry, regions, runtime, metrics)
     finally:
         registry.close_all()
         if runtime is not None:

@@ -17,11 +17,13 @@ from typing import Any, NamedTuple
 from prometheus_client import CollectorRegistry
 
 from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
 from kvsidecar.memory.regions import SessionMemory
-from kvsidecar.memory.views import host_tensor
+from kvsidecar.memory.slices import host_tensor
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
+from kvsidecar.movers.runtime import GpuRuntime, GpuSettings
 from kvsidecar.sessions.session import Session
+from kvsidecar.store import Store
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.testing.states import StateLayer, element
 from kvsidecar.values import LoadArgs, LookupArgs, RegionRequest, Role, SaveArgs
@@ -129,9 +131,10 @@ class _Region:
 
 
 class Rank:
-    """One engine rank: its session (layout, geometry, memory) and its regions' buffers."""
+    """One engine rank: its session (layout, geometry, memory and its mover over store) and its regions' buffers;
+    movers: whose mover the memory gets (default: the host path's, over store)."""
 
-    def __init__(self, model: Model, layout: Layout, device: bool = False) -> None:
+    def __init__(self, model: Model, layout: Layout, store: Store, movers: Movers | None = None) -> None:
         self.model, self.layout = model, layout
         par = layout.parallel
         self.tp, self.rank = par.tp_size, par.tp_rank
@@ -152,10 +155,11 @@ class Rank:
                         )  # type: ignore[arg-type]
                     )  # fmt: skip
         cuts = [layout.value_cut(g) for g in range(len(model.groups))]
-        memory = SessionMemory(requests, len(model.groups), _Opener(), cuts, host_views=device)
+        memory = SessionMemory(requests, len(model.groups), _Opener(), cuts)
         self.session = Session(
             f"{self.tp}.{self.rank}", Role.RANK, layout, Geometry.of(layout), 32, "test", 0.0, float("inf"), memory
         )
+        self.session.mover = (movers or Movers(store)).mover(memory)
 
     @staticmethod
     def _parts(group: GroupModel) -> tuple[str, ...]:
@@ -194,16 +198,18 @@ class Engines:
         metrics = Metrics(CollectorRegistry())
         self.runtime = None
         if device:
-            self.runtime = GpuRuntime(GpuSettings("auto", 1 << 20, 256 << 10), self.store, metrics, devices=["cpu"])
+            # A CPU standing in for the GPU: host memory moves through the device path.
+            self.runtime = GpuRuntime(GpuSettings("cpu", 1 << 20, 256 << 10), self.store, metrics)
             self.runtime.start()
-        self.path = DataPath(self.store, metrics, gpu=self.runtime)
+        self.movers = Movers(self.store, metrics, self.runtime)
+        self.path = DataPath(self.store, metrics)
 
     def close(self) -> None:
         if self.runtime is not None:
             self.runtime.stop()
 
     def ranks(self, tp: int, share: int) -> list[Rank]:
-        return [Rank(self.model, self.model.layout(tp, r, share), self.device) for r in range(tp)]
+        return [Rank(self.model, self.model.layout(tp, r, share), self.store, self.movers) for r in range(tp)]
 
     def save(self, ranks: Sequence[Rank], hashes: Sequence[bytes], block_ids: Sequence[int], tokens: int) -> list:
         outcomes = []

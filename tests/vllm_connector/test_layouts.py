@@ -6,7 +6,7 @@ registers them as vLLM would hand them over, saves some blocks, loads them into 
 target blocks must equal the source's while no byte outside them (padding, other layers, other blocks) changes.
 
 KVSIDECAR_TEST_DEVICE=cuda runs the same on a GPU: vLLM allocates on CUDA and the client shares the tensors over
-CUDA IPC (scripts/gpu/20-layouts.sh).
+CUDA IPC (the vllm section of scripts/gpu-check.sh).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_bad_files(tmp_path, content, reason):
         (("--master", "nohost"), "not a host:port"),
         (("--session-ttl", "0"), "session-ttl must be > 0"),
         (("--replicas", "0"), "replicas must be >= 1"),
-        (("--gpu", "on"), "gpu must be auto or off, got 'on'"),
+        (("--gpu", "on"), "gpu must be auto, off or cpu, got 'on'"),
         (("--gpu-staging-size", "1MiB"), "gpu-staging-size must be at least 16MiB"),
         (("--gpu-bounce-size", "8MiB"), "gpu-bounce-size must be at least 16MiB"),
     ],

@@ -15,8 +15,8 @@ from kvsidecar.daemon.parts import build_data_path, build_service, build_session
 from kvsidecar.daemon.settings import settings_of
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest, DaemonError, Exhausted
-from kvsidecar.gpu.runtime import GpuRuntime
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
@@ -66,7 +66,7 @@ def build(tmp_path: Path, **flags: object) -> Parts:
     gpu = GpuRuntime(s.gpu, store, metrics)
     gpu.start()
     sessions = build_sessions(s.service, s.shares, store, metrics, gpu)
-    datapath = build_data_path(s.service, store, metrics, tenancy, gpu, events)
+    datapath = build_data_path(s.service, store, metrics, tenancy, events)
     service = build_service(s.service, datapath, sessions, tenancy, metrics, gpu, master_address="127.0.0.1:1")
     return Parts(store, gpu, sessions, datapath, service, events)
 
@@ -81,7 +81,7 @@ def parts(tmp_path):
 
 def test_a_save_through_the_built_data_path_reaches_the_store_and_the_events(parts):
     model = Model((Attention(), Latent()), kv_heads=2)
-    rank = Rank(model, model.layout(1))
+    rank = Rank(model, model.layout(1), parts.store)
     hashes = chained_hashes("prompt", 4)
     rank.fill(hashes, [0, 1, 2, 3])
     saved = parts.datapath.save(rank.session, SaveArgs(hashes, [[0, 1, 2, 3], [0, 1, 2, 3]], 64))
@@ -95,7 +95,7 @@ def test_a_save_through_the_built_data_path_reaches_the_store_and_the_events(par
 def test_each_part_runs_with_its_own_settings_from_the_config(parts):
     # --max-lookup-hashes reached the data path.
     model = Model((Attention(),), kv_heads=2)
-    rank = Rank(model, model.layout(1))
+    rank = Rank(model, model.layout(1), parts.store)
     with pytest.raises(BadRequest, match="at most 8 per call"):
         parts.datapath.lookup(rank.session, LookupArgs(chained_hashes("p", 9), 144))
     # --max-sessions reached the sessions' shares.

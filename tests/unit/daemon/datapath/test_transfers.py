@@ -34,14 +34,14 @@ READER_IDS = [7, 2, 0, 4]
 VALUE_BYTES = 2 * 256  # K and V of one block: 16 tokens x 2 heads x 4 fp16 elements each
 
 
-def rank(tenant: str = "") -> Rank:
-    r = Rank(MODEL, MODEL.layout(1))
+def rank(store: MemoryStore, tenant: str = "") -> Rank:
+    r = Rank(MODEL, MODEL.layout(1), store)
     r.session.tenant = tenant
     return r
 
 
-def filled(tenant: str = "") -> Rank:
-    r = rank(tenant)
+def filled(store: MemoryStore, tenant: str = "") -> Rank:
+    r = rank(store, tenant)
     r.fill(HASHES, WRITER_IDS)
     return r
 
@@ -70,7 +70,7 @@ def load(dp: DataPath, r: Rank, hit_tokens: int = TOKENS) -> list[Failure]:
 def test_a_save_writes_each_block_once_and_a_load_brings_back_exactly_its_bytes():
     store = MemoryStore()
     dp = path(store)
-    writer = filled()
+    writer = filled(store)
     assert save(dp, writer) == SaveOutcome(4, 0, (), 0, 4 * VALUE_BYTES)
     assert store.keys() == sorted(keys(writer))
     for key, block in zip(keys(writer), WRITER_IDS, strict=True):
@@ -79,20 +79,20 @@ def test_a_save_writes_each_block_once_and_a_load_brings_back_exactly_its_bytes(
     assert save(dp, writer) == SaveOutcome(0, 4, (), 0, 0)
     assert store.used_bytes == 4 * VALUE_BYTES
 
-    reader = rank()
+    reader = rank(store)
     assert load(dp, reader) == []
     for got, put in zip(READER_IDS, WRITER_IDS, strict=True):
         assert value(reader, got) == value(writer, put)
     untouched = [b for b in range(8) if b not in READER_IDS]
-    assert all(value(reader, b) == value(rank(), b) for b in untouched)
+    assert all(value(reader, b) == value(rank(store), b) for b in untouched)
 
 
 def test_a_lookup_hits_up_to_the_first_missing_block_and_a_failed_probe_is_a_degraded_miss():
     store = MemoryStore()
     dp = path(store)
-    writer = filled()
+    writer = filled(store)
     save(dp, writer)
-    scheduler = rank().session
+    scheduler = rank(store).session
     out = dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1))
     assert (out.hit.tokens, out.degraded, out.detail) == (TOKENS, False, "")
     # The third block gone: a hit never extends past a miss.
@@ -107,7 +107,7 @@ def test_a_lookup_hits_up_to_the_first_missing_block_and_a_failed_probe_is_a_deg
 def test_blocks_failing_in_the_store_are_named_with_its_code_and_the_others_go_through():
     store = MemoryStore()
     dp = path(store)
-    writer = filled()
+    writer = filled(store)
     store.fail_keys(StoreCode.TRANSFER_FAILED, [keys(writer)[1]], ["put"])
     out = save(dp, writer)
     assert (out.written, out.failures) == (3, (Failure(0, 3, Reason.TRANSFER_FAILED),))
@@ -116,27 +116,27 @@ def test_blocks_failing_in_the_store_are_named_with_its_code_and_the_others_go_t
     assert save(dp, writer).written == 1  # the retry writes only what failed
 
     store.fail_keys(StoreCode.RPC_FAILED, [keys(writer)[0], keys(writer)[3]], ["get"])
-    reader = rank()
+    reader = rank(store)
     assert load(dp, reader) == [Failure(0, 7, Reason.RPC_FAILED), Failure(0, 4, Reason.RPC_FAILED)]
     assert value(reader, 2) == value(writer, 3) and value(reader, 0) == value(writer, 5)
-    assert value(reader, 7) == value(rank(), 7)  # a failed read leaves the block as it was
+    assert value(reader, 7) == value(rank(store), 7)  # a failed read leaves the block as it was
 
 
 def test_a_tenant_past_its_write_budget_writes_what_fits_in_prompt_order():
     store = MemoryStore()
     budget = WriteBudget(0, 2 * VALUE_BYTES + 1, clock=lambda: 0.0)
     dp = path(store, budget_of=lambda tenant: budget if tenant == "a" else None)
-    out = save(dp, filled("a"))
+    out = save(dp, filled(store, "a"))
     assert out.written == 2
     assert out.failures == (Failure(0, 5, Reason.TENANT_BUDGET), Failure(0, 6, Reason.TENANT_BUDGET))
-    assert save(dp, filled("b")).written == 2  # another tenant's budget is its own (here: none)
+    assert save(dp, filled(store, "b")).written == 2  # another tenant's budget is its own (here: none)
 
 
 def test_a_full_store_is_not_asked_again_until_its_backoff_ends():
     now = [0.0]
     store = MemoryStore(capacity_bytes=VALUE_BYTES)
     dp = path(store, backoff=NoSpaceBackoff(first=1.0, clock=lambda: now[0]))
-    writer = filled()
+    writer = filled(store)
     out = save(dp, writer)
     assert out.written == 1 and [f.reason for f in out.failures] == [Reason.NO_SPACE] * 3
     # Room again, but the store is still evicting: within the backoff nothing is tried.
@@ -150,13 +150,14 @@ def test_a_full_store_is_not_asked_again_until_its_backoff_ends():
 def test_a_save_past_its_deadline_writes_nothing():
     store = MemoryStore()
     dp = path(store)
-    out = save(dp, filled(), deadline=time.monotonic() - 1)
+    out = save(dp, filled(store), deadline=time.monotonic() - 1)
     assert out.written == 0 and out.failures == tuple(Failure(0, b, Reason.DEADLINE_EXCEEDED) for b in WRITER_IDS)
     assert store.keys() == []
 
 
 def test_a_lookup_of_more_hashes_than_the_limit_is_refused_naming_it():
-    dp = path(MemoryStore(), max_lookup_hashes=3)
+    store = MemoryStore()
+    dp = path(store, max_lookup_hashes=3)
     with pytest.raises(BadRequest, match=r"a Lookup of 4 block hashes: at most 3 per call \(--max-lookup-hashes\)"):
-        dp.lookup(rank().session, LookupArgs(HASHES, TOKENS + 1))
-    assert dp.lookup(rank().session, LookupArgs(HASHES[:3], 49)).hit.tokens == 0
+        dp.lookup(rank(store).session, LookupArgs(HASHES, TOKENS + 1))
+    assert dp.lookup(rank(store).session, LookupArgs(HASHES[:3], 49)).hit.tokens == 0

@@ -14,13 +14,17 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.json_format import MessageToDict
 
+from kvsidecar.cli import status
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest, TooLate
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
+from kvsidecar.store import StoreHealth
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.live import Tenancy
 from kvsidecar.tenancy.table import hash_token
@@ -68,11 +72,13 @@ class Context:
         raise Aborted(code, details)
 
 
-def service(tenants: Path | None = None) -> SidecarService:
+def service(tenants: Path | None = None, gpu_failure: str = "") -> SidecarService:
     store, metrics = MemoryStore(), Metrics()
-    sessions = SessionRegistry(30, store.register_buffer, store.unregister_buffer, metrics=metrics)
+    sessions = SessionRegistry(30, Movers(store, metrics), metrics=metrics)
     tenancy = Tenancy(metrics, str(tenants) if tenants else "")
-    return SidecarService(DataPath(store, metrics), sessions, tenancy, metrics, workers=2)
+    return SidecarService(
+        DataPath(store, metrics), sessions, tenancy, metrics, workers=2, gpu_failure=lambda: gpu_failure
+    )
 
 
 def call(method: Any, request: Any, context: Context | None = None) -> Any:
@@ -172,6 +178,17 @@ def test_stats_shows_a_tenant_its_own_and_an_admin_everything(tmp_path):
     assert sorted(s.tenant for s in everything.sessions) == ["a", "b"]
     err = refused(svc.Stats, pb.StatsRequest(), ticket(svc, 4999))
     assert err.code is grpc.StatusCode.PERMISSION_DENIED and "uid 4999 is no tenant's credential" in err.details
+
+
+def test_a_failed_gpu_path_reaches_stats_and_makes_status_exit_1():
+    failure = "cuda:0: an illegal memory access was encountered"
+    for svc, healthy in ((service(), True), (service(gpu_failure=failure), False)):
+        svc.health = StoreHealth(True, "master reachable")
+        stats = call(svc.Stats, pb.StatsRequest())
+        assert stats.gpu_failure == ("" if healthy else failure)
+        info = {"serving": True, "store_serving": True, **MessageToDict(stats, preserving_proto_field_name=True)}
+        assert status.exit_code(info) == (status.EXIT_HEALTHY if healthy else status.EXIT_STORE_DOWN)
+        assert status.exit_code(info, live_only=True) == status.EXIT_HEALTHY
 
 
 def test_the_boundary_answers_garbage_unknown_sessions_and_shutdown_with_their_statuses():

@@ -8,6 +8,7 @@ import pytest
 
 from kvsidecar.errors import BadRequest, Forbidden
 from kvsidecar.memory.mappings import Opener
+from kvsidecar.movers.factory import Movers
 from kvsidecar.rpc.side import SideChannel
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
@@ -24,7 +25,7 @@ SIZE = 8 * 1024
 @pytest.fixture
 def side(tmp_path):
     store = MemoryStore()
-    reg = SessionRegistry(10, store.register_buffer, store.unregister_buffer)
+    reg = SessionRegistry(10, Movers(store))
     tickets = Tickets()
     channel = SideChannel(str(tmp_path / "s.side"), tickets, reg.accept_fds)
     channel.bind(0o600, None)

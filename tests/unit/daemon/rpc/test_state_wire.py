@@ -12,6 +12,7 @@ import pytest
 
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
@@ -62,7 +63,7 @@ def test_the_daemons_value_id_of_a_piece_is_one_at_every_tp_size_and_differs_wit
 
 def _service() -> SidecarService:
     store, metrics = MemoryStore(), Metrics()
-    sessions = SessionRegistry(30, store.register_buffer, store.unregister_buffer, metrics=metrics)
+    sessions = SessionRegistry(30, Movers(store, metrics), metrics=metrics)
     return SidecarService(DataPath(store, metrics), sessions, Tenancy(metrics, ""), metrics, workers=2)
 
 

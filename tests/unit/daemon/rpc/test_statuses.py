@@ -10,6 +10,7 @@ import pytest
 
 from kvsidecar.errors import (
     BadRequest,
+    DeviceUnavailable,
     Forbidden,
     OutOfOrder,
     RequestError,
@@ -37,6 +38,7 @@ DAEMON = Path(__file__).resolve().parents[4] / "kvsidecar"
         (OutOfOrder("call RegisterMemory once"), C.FAILED_PRECONDITION, "call RegisterMemory once"),
         (Forbidden("a scheduler session"), C.PERMISSION_DENIED, "a scheduler session"),
         (ShuttingDown("the daemon is shutting down"), C.UNAVAILABLE, "the daemon is shutting down"),
+        (DeviceUnavailable("the GPU path failed (cuda:0: ...)"), C.UNAVAILABLE, "the GPU path failed (cuda:0: ...)"),
         (
             TooLate("no lookup slot within the call's deadline"),
             C.DEADLINE_EXCEEDED,

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from kvsidecar.errors import Exhausted
+from kvsidecar.movers.factory import Movers
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.live import Grant
@@ -31,7 +32,7 @@ def memfd() -> int:
 
 def registry(**caps: int) -> SessionRegistry:
     store = MemoryStore()
-    return SessionRegistry(10, store.register_buffer, store.unregister_buffer, shares=SessionShares(**caps))
+    return SessionRegistry(10, Movers(store), shares=SessionShares(**caps))
 
 
 def register(reg: SessionRegistry, uid: int, grant: Grant | None = None):

@@ -6,6 +6,7 @@ import pytest
 
 from kvsidecar.errors import BadRequest, Forbidden, OutOfOrder, StoreError, UnknownSession
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import StoreCode
 from kvsidecar.store.memory_store import MemoryStore
@@ -28,7 +29,7 @@ class Clock:
 
 def registry(ttl, clock=None, store=None):
     store = store if store is not None else MemoryStore()
-    return SessionRegistry(ttl, store.register_buffer, store.unregister_buffer, clock=clock or Clock())
+    return SessionRegistry(ttl, Movers(store), clock=clock or Clock())
 
 
 def test_lease_renewal_and_expiry():
@@ -135,7 +136,7 @@ def shm_region(name, *, size=8192, blocks=8, groups=(0,)) -> RegionRequest:
 
 def test_attach_registers_every_mapping_and_release_unregisters_it(segment):
     store, metrics = MemoryStore(require_registration=True), Metrics()
-    reg = SessionRegistry(10, store.register_buffer, store.unregister_buffer, metrics=metrics, clock=Clock())
+    reg = SessionRegistry(10, Movers(store), metrics=metrics, clock=Clock())
     s = reg.open(Role.RANK, LAYOUT, 32, "a", grant=TRUSTED)
     memory = reg.attach(s, [shm_region(segment.name)])
     assert s.memory is memory and memory.mapped_bytes == 8192
@@ -147,7 +148,7 @@ def test_attach_registers_every_mapping_and_release_unregisters_it(segment):
     reg.close(s.id)
     assert s.closed and s.memory is None
     with pytest.raises(StoreError, match="no buffer registered"):
-        store.unregister_buffer(address)  # the registry already unregistered it
+        store.unregister_buffer(address)  # the session's mover already unregistered it
     assert metrics.registry.get_sample_value("kvsidecar_registered_region_bytes") == 0
     assert metrics.registry.get_sample_value("kvsidecar_sessions", {"role": "rank"}) == 0
 
@@ -169,22 +170,27 @@ def test_attach_refuses_schedulers_second_attaches_and_other_sessions_memory(seg
     assert reg.attach(b, [shm_region(segment.name)]) is b.memory  # a's claim went with its release
 
 
-def test_a_store_refusal_rolls_the_attach_back(segment):
-    store, metrics, refuse = MemoryStore(require_registration=True), Metrics(), [True]
+class RefusingStore(MemoryStore):
+    """The in-memory store, refusing to register memory while `refuse` is set."""
 
-    def register(address: int, size: int) -> None:
-        if refuse[0]:
+    refuse = True
+
+    def register_buffer(self, address: int, size: int) -> None:
+        if self.refuse:
             raise StoreError(StoreCode.NO_SPACE, "cannot register more memory")
-        store.register_buffer(address, size)
+        super().register_buffer(address, size)
 
-    reg = SessionRegistry(10, register, store.unregister_buffer, metrics=metrics, clock=Clock())
+
+def test_a_store_refusal_rolls_the_attach_back(segment):
+    store, metrics = RefusingStore(require_registration=True), Metrics()
+    reg = SessionRegistry(10, Movers(store), metrics=metrics, clock=Clock())
     a, b = reg.open(Role.RANK, LAYOUT, 32, "a", grant=TRUSTED), reg.open(Role.RANK, LAYOUT, 32, "b", grant=TRUSTED)
     with pytest.raises(StoreError, match="cannot register more memory"):
         reg.attach(a, [shm_region(segment.name)])
     assert a.memory is None and not a.closed
     assert metrics.registry.get_sample_value("kvsidecar_registered_region_bytes") == 0
     # The claim was rolled back too: another session may now register the same segment.
-    refuse[0] = False
+    store.refuse = False
     assert reg.attach(b, [shm_region(segment.name)]) is b.memory
     assert metrics.registry.get_sample_value("kvsidecar_registered_region_bytes") == 8192
 

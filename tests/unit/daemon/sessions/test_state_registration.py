@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from kvsidecar.errors import BadRequest
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.live import Grant
@@ -25,7 +26,7 @@ LAYERS, BLOCKS, PADDING = 3, 4, 16
 @pytest.fixture
 def registry():
     store = MemoryStore()
-    reg = SessionRegistry(60, store.register_buffer, store.unregister_buffer, metrics=Metrics(CollectorRegistry()))
+    reg = SessionRegistry(60, Movers(store), metrics=Metrics(CollectorRegistry()))
     segments: list[shared_memory.SharedMemory] = []
     yield reg, segments
     reg.close_all()

@@ -1,45 +1,37 @@
-"""Tensor views of a session's registered memory: how the GPU path gathers a batch of values and scatters them back.
+"""Copy plans: a session's values as strided tensor views of its memory, so a batch of values is gathered and
+scattered with a few kernels.
 
-A stored value is a block's slices in every region of its group, concatenated (regions.py). On a GPU, moving those
-slices one copy call at a time runs at a fraction of the link (8192 scattered 32 KiB copies: 10 GB/s against 49 for
-one gather kernel, measured on an H200), so the device path gathers a whole batch with a few kernels instead:
+A stored value is a block's slices in every region of its group, concatenated (memory/regions.py). On a GPU, moving
+those slices one copy call at a time runs at a fraction of the link (8192 scattered 32 KiB copies: 10 GB/s against
+49 for one gather kernel, measured on an H200), so the device mover gathers a whole batch with a few kernels instead:
 
-- a *slice template* is where a slice of every block lies: (mapping, offset of block 0's slice, block stride, length);
+- a *slice template* (memory/slices.py) is where a slice of every block lies: (mapping, offset of block 0's slice,
+  block stride, length);
 - consecutive templates on one mapping with one stride and length whose offsets advance by one step form a *run*:
   vLLM allocates every layer of a group as views of one buffer, so a group's slices are usually ONE run, and a run is
   one strided view [blocks, slices, length], gathered with one `index_select` and scattered with one `index_copy_`;
 - any other layout still works, one run per template.
 
-Views are built once per session at registration (the copy plan), in the widest element type every offset, stride
+Plans are built once per session, when its memory is registered, in the widest element type every offset, stride
 and length divides, so kernels move 8 or 16 bytes per element, not one.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvsidecar.errors import BadRequest
+from kvsidecar.memory.slices import SliceTemplate
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ELEMENT_BYTES", "Run", "SliceTemplate", "ValueViews", "element_bytes", "host_tensor", "runs"]
+__all__ = ["ELEMENT_BYTES", "Run", "ValueViews", "element_bytes", "runs"]
 
 ELEMENT_BYTES = (8, 4, 2, 1)  # int64, int32, int16, uint8: the widest that divides everything is used
-
-
-@dataclass(frozen=True, slots=True)
-class SliceTemplate:
-    """Where one slice of every block lies: block b's slice is [offset + b * stride, + length) of the mapping."""
-
-    mapping: str  # the mapping's key in SessionMemory.mappings
-    offset: int
-    stride: int
-    length: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +74,6 @@ def element_bytes(*values: int) -> int:
     return next(e for e in ELEMENT_BYTES if common % e == 0)
 
 
-def host_tensor(address: int, size: int) -> torch.Tensor:
-    """[address, address + size) of this process's memory as a 1-D uint8 CPU tensor, without a copy.
-
-    The tensor does not keep the memory mapped: it must be dropped before whoever owns the memory unmaps it."""
-    import torch
-
-    return torch.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=torch.uint8)
-
-
 class ValueViews:
     """The copy plan of one (group, part): its runs as strided views of the mapping tensors, and where each run's
     bytes sit within a value (value = the runs' slices, concatenated in template order)."""
@@ -116,7 +99,10 @@ class ValueViews:
             if blocks < 1:
                 raise BadRequest(f"a slice at offset {t.offset} of {t.length} bytes lies outside its mapping")
             view = torch.as_strided(
-                whole, (blocks, run.count, t.length // e), (t.stride // e, max(run.step, 1) // e, 1), t.offset // e
+                whole,
+                (blocks, run.count, t.length // e),
+                (t.stride // e, max(run.step, 1) // e, 1),
+                whole.storage_offset() + t.offset // e,
             )
             width = run.count * t.length
             self._views.append((view, at // e, width // e))

@@ -1,4 +1,4 @@
-"""The device path's copy plan: runs of slice templates, and gather/scatter through views against the byte oracle
+"""The device mover's copy plans: runs of slice templates, and gather/scatter through views against the byte oracle
 of SessionMemory.buffers (every slice's address), on CPU tensors standing in for a GPU's."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvsidecar.memory.mappings import Opener
 from kvsidecar.memory.regions import SessionMemory
-from kvsidecar.memory.views import Run, SliceTemplate, element_bytes, runs
+from kvsidecar.memory.slices import SliceTemplate
+from kvsidecar.movers.plans import Run, ValueViews, element_bytes, runs
 from kvsidecar.values import RegionRequest, ShmHandle
 
 SEGMENT = 1 << 16
@@ -63,6 +64,12 @@ def segment():
     shm.unlink()
 
 
+def plan(memory: SessionMemory, group: int = 0, part: int = 0) -> ValueViews:
+    """The copy plan of one (group, part), over the memory's mappings as CPU tensors."""
+    tensors = {key: m.tensor() for key, m in memory.mappings.items()}
+    return ValueViews(memory.templates[group][part], tensors)
+
+
 def _value(memory: SessionMemory, group: int, block: int, part: int) -> bytes:
     """The byte oracle: a value is its slices at the addresses the host path uses, concatenated."""
     addresses, sizes = memory.buffers(group, block, part)
@@ -87,10 +94,9 @@ layouts = st.sampled_from(
 @given(layout=layouts, data=st.data())
 def test_gather_and_scatter_move_exactly_the_values_the_host_path_addresses(segment, layout, data):
     regions = [RegionRequest(ShmHandle(segment.name), SEGMENT, o, s, b, 8, (0,)) for o, s, b in layout]
-    memory = SessionMemory(regions, 1, Opener(shm_names=True), host_views=True)
+    memory = SessionMemory(regions, 1, Opener(shm_names=True))
     try:
-        assert memory.device == "cpu"
-        views = memory.views(0)
+        views = plan(memory)
         blocks = data.draw(st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True))
         index = torch.tensor(blocks, dtype=torch.int64)
         size = memory.value_bytes[0]
@@ -121,24 +127,13 @@ def test_gather_and_scatter_move_exactly_the_values_the_host_path_addresses(segm
 def test_values_cut_per_head_gather_one_part_of_each_slice(segment):
     # Rule 11: a block of 4 KV heads, head-major, stored as 2 values of 2 heads each.
     regions = [RegionRequest(ShmHandle(segment.name), SEGMENT, i * 16384, 2048, 2048, 8, (0,), 4) for i in range(2)]
-    memory = SessionMemory(regions, 1, Opener(shm_names=True), [(2, 4)], host_views=True)
+    memory = SessionMemory(regions, 1, Opener(shm_names=True), [(2, 4)])
     try:
         assert memory.value_bytes == [2048]
         for part in (0, 1):
             out = torch.empty(2 * 2048, dtype=torch.uint8)
-            views = memory.views(0, part)
+            views = plan(memory, 0, part)
             views.gather(torch.tensor([5, 2]), out.view(views.dtype).view(2, -1))
             assert out.numpy().tobytes() == _value(memory, 0, 5, part) + _value(memory, 0, 2, part)
-    finally:
-        memory.close()
-
-
-def test_host_memory_has_no_device_path_unless_it_stands_in_for_one(segment):
-    regions = [RegionRequest(ShmHandle(segment.name), SEGMENT, 0, 1024, 1024, 8, (0,))]
-    memory = SessionMemory(regions, 1, Opener(shm_names=True))
-    try:
-        assert memory.device is None
-        with pytest.raises(KeyError):
-            memory.views(0)
     finally:
         memory.close()

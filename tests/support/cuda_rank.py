@@ -4,25 +4,24 @@ layer a view of it), in a process of its own (kvsidecar.testing.ranks drives it)
 Every block holds bytes that say which group, layer and block they were written for (`pattern`), so a rank of
 another process can check a loaded block against the block it was saved from, on the GPU.
 
-DEVICE = "cpu" (GPU_CHECK_DEVICE=cpu) puts the same layout in shared memory: a dry run of the check's own logic on
-a machine without a GPU, through the daemon's host path.
+On a machine without a GPU, DEVICE is "cpu" and the same layout lives in shared memory: with a daemon standing a
+CPU in for its GPU (--gpu cpu), it moves through the daemon's device mover all the same (tests/gpu in the suite).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 BLOCK_TOKENS = 16
-DEVICE = "cpu" if os.environ.get("GPU_CHECK_DEVICE") == "cpu" else "cuda:0"
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def pattern(group: int, layers: int, blocks: int, slice_bytes: int, seed: int, device: str = DEVICE) -> Any:
     """The bytes every block of one group holds after `fill(seed)`: [layers, blocks, slice_bytes / 8] int64."""
-    import torch
-
     words = slice_bytes // 8
     out = torch.arange(layers * blocks * words, dtype=torch.int64, device=device).view(layers, blocks, words)
     return out.add_(((seed * 7919 + group) << 40) + (1 << 62))
@@ -42,8 +41,6 @@ class CudaRank:
         tp_rank: int = 0,
         kv_heads: int = 8,
     ) -> None:
-        import torch
-
         from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
 
         self.torch = torch

@@ -1,10 +1,16 @@
-"""The daemon's CUDA side on a GPU node: contexts started in the background, the segment page-locked, staging areas.
+"""The daemon's CUDA side on a GPU node: the Mooncake build checked, contexts started in the background, the GPUs'
+UUIDs, the segment page-locked, a staging area per device, and the path's health.
 
 Measured on one H200 (docs/benchmarks/gpu.md): a process's first CUDA call costs about 0.6 s and importing CUDA torch
 more, so a rank registering its KV cache with a daemon that had not started CUDA waited 5 s; page-locking an 8.5 GiB
 segment takes 2.5 s. Both therefore start when the daemon starts, in a thread, and never on a node without a GPU.
 Until the segment is page-locked the device path still works, its copies of the segment staged by the driver
 (slower, same bytes); a CUDA registration that arrives while the contexts start waits for them.
+
+Mooncake's non-CUDA build on a GPU node would read the device staging with memcpy and kill the daemon on the first
+save: the path stays off then, saying why and how to install the CUDA build (store/build.py). A sticky CUDA error
+(the context unusable) turns the path failed: `status`, the health service and `kvsidecar_gpu_failed` say so, and
+every GPU request is refused with the reason (DeviceUnavailable) while host memory is served as before.
 """
 
 from __future__ import annotations
@@ -13,17 +19,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvsidecar.errors import BadRequest
-from kvsidecar.gpu.staging import StagingArea
-from kvsidecar.memory.regions import SessionMemory
-from kvsidecar.memory.views import host_tensor
+from kvsidecar.errors import BadRequest, DeviceUnavailable
+from kvsidecar.memory.slices import host_tensor
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.accelerators import Accelerator, Cpu, Cuda
+from kvsidecar.movers.identity import ordinal_of
+from kvsidecar.movers.staging import StagingArea
 from kvsidecar.store import Store
 from kvsidecar.store.base import Replica
+from kvsidecar.store.build import CUDA_INSTALL, MooncakeBuild, installed_build
+from kvsidecar.values import CudaHandle
 
 __all__ = ["CUDA_START_TIMEOUT_S", "GpuRuntime", "GpuSettings", "HostSegment", "gpu_present"]
 
@@ -34,6 +43,7 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every contex
 _PAGE = 4096
 CUDA_START_TIMEOUT_S = 120.0  # a registration waits this long for the contexts started at the daemon's start
 _NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
+MODES = ("auto", "off", "cpu")
 
 
 def gpu_present(paths: Sequence[str] = _NVIDIA_NODES) -> bool:
@@ -43,9 +53,12 @@ def gpu_present(paths: Sequence[str] = _NVIDIA_NODES) -> bool:
 
 @dataclass(frozen=True)
 class GpuSettings:
-    """What the GPU path is told (cut from Config): whether it runs, and each device's staging sizes."""
+    """What the GPU path is told (cut from Config): whether it runs, and each device's staging sizes.
 
-    mode: str = "auto"  # auto: on a node with an NVIDIA driver; off: never
+    mode: auto (on a node with an NVIDIA driver), off (never), or cpu (a CPU stands in for a GPU: host memory moves
+    through the device path; for tests of that path on machines without one)."""
+
+    mode: str = "auto"
     staging_bytes: int = 256 * MiB
     bounce_bytes: int = 64 * MiB
     pin_segment: bool = True
@@ -61,9 +74,11 @@ class HostSegment:
 
 
 class GpuRuntime:
-    """CUDA contexts, the page-locked segment and one staging area per device, for the daemon's lifetime.
+    """The Mooncake build check, CUDA contexts, the page-locked segment and one staging area per device, for the
+    daemon's lifetime.
 
-    devices: for tests, the devices to serve instead of every CUDA device ("cpu" stands a CPU in for a GPU).
+    devices: for tests, the accelerators to serve instead of every CUDA device (a CPU standing in for a GPU);
+    present and build: what says this is a GPU node and which Mooncake build is installed (tests stand them in).
     """
 
     def __init__(
@@ -72,15 +87,21 @@ class GpuRuntime:
         store: Store,
         metrics: Metrics,
         *,
-        devices: Sequence[str] | None = None,
+        devices: Sequence[Accelerator] | None = None,
+        present: Callable[[], bool] = gpu_present,
+        build: Callable[[], MooncakeBuild] = installed_build,
     ) -> None:
         self.settings = settings
         self._store = store
         self._metrics = metrics
-        self._devices_given = devices
-        self.devices: tuple[str, ...] = ()
+        self._given = list(devices) if devices is not None else [Cpu("cpu")] if settings.mode == "cpu" else None
+        self._present = present
+        self._build = build
+        self.devices: tuple[Accelerator, ...] = ()
+        self.uuids: tuple[str, ...] = ()  # each CUDA device's UUID, in the daemon's order
         self.state = "off"
         self.reason = "not started"
+        self.failure = ""  # why the path failed (a sticky CUDA error), "" while it has not
         self.segment: HostSegment | None = None
         self._areas: dict[str, StagingArea] = {}
         self._lock = threading.Lock()
@@ -93,16 +114,27 @@ class GpuRuntime:
     @property
     def wanted(self) -> bool:
         """Whether this daemon runs the GPU path at all (a CPU node never does)."""
-        if self._devices_given is not None:
+        if self._given is not None:
             return True
-        return self.settings.mode != "off" and gpu_present()
+        return self.settings.mode != "off" and self._present()
 
     def start(self) -> None:
-        """Start CUDA in the background (returns at once); a CPU node or --gpu off starts nothing."""
+        """Start CUDA in the background (returns at once); a CPU node, --gpu off or the wrong Mooncake build start
+        nothing, and say why."""
         if not self.wanted:
             self.reason = "--gpu off" if self.settings.mode == "off" else "no NVIDIA GPU on this node"
             self._ready.set()
             return
+        if self._given is None:
+            build = self._build()
+            if not build.cuda:
+                self.reason = (
+                    f"Mooncake's non-CUDA build is installed here, {build.describe()}: it cannot read GPU memory; "
+                    f"install the CUDA build ({CUDA_INSTALL})"
+                )
+                log.error("gpu: off on this GPU node: %s; CUDA regions will be refused", self.reason)
+                self._ready.set()
+                return
         self.state = "starting"
         self.reason = ""
         self._thread = threading.Thread(target=self._run, name="kvsidecar-gpu", daemon=True)
@@ -111,9 +143,9 @@ class GpuRuntime:
     def _run(self) -> None:
         began = time.monotonic()
         try:
-            self.devices = self._start_devices()
+            self.devices, self.uuids = self._start_devices()
             self.started_in_s = time.monotonic() - began
-            log.info("gpu: %s ready in %.2f s", ", ".join(self.devices), self.started_in_s)
+            log.info("gpu: %s ready in %.2f s", ", ".join(d.name for d in self.devices), self.started_in_s)
         except Exception as exc:  # a broken CUDA install must not take the daemon down: CPU ranks still work
             self.state = "off"
             self.reason = f"CUDA did not start: {exc}"
@@ -131,22 +163,24 @@ class GpuRuntime:
         if segment is not None:
             self._pin(segment)
 
-    def _start_devices(self) -> tuple[str, ...]:
-        if self._devices_given is not None:
-            return tuple(self._devices_given)
+    def _start_devices(self) -> tuple[tuple[Accelerator, ...], tuple[str, ...]]:
+        if self._given is not None:
+            return tuple(self._given), ()
         import torch
 
         count = torch.cuda.device_count()
         if count < 1:
             raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
+        uuids = []
         for index in range(count):
             with torch.cuda.device(index):
                 torch.empty(1, device=f"cuda:{index}")  # creates the device's primary context
-        return tuple(f"cuda:{i}" for i in range(count))
+            uuids.append(str(torch.cuda.get_device_properties(index).uuid))
+        return tuple(Cuda(f"cuda:{i}") for i in range(count)), tuple(uuids)
 
     def _pin(self, segment: Replica) -> None:
         """Page-lock the segment, so that its copies are DMA transfers (until then the driver stages them)."""
-        cuda = any(d.startswith("cuda") for d in self.devices)
+        cuda = any(d.cuda for d in self.devices)
         if not (cuda and self.settings.pin_segment) or self._stopping.is_set():
             return
         began = time.monotonic()
@@ -174,6 +208,30 @@ class GpuRuntime:
             raise BadRequest("the daemon's CUDA contexts are still starting; register again in a moment")
         if self.state != "ready":
             raise BadRequest(f"this daemon moves no GPU memory ({self.reason}): register host memory instead")
+        self.usable()
+
+    def ordinal(self, handle: CudaHandle) -> int:
+        """The daemon's index of the GPU a CUDA handle's memory is on (waiting for CUDA to start); BadRequest for a
+        GPU it does not serve."""
+        self.wait_ready()
+        if not any(d.cuda for d in self.devices):
+            served = ", ".join(d.name for d in self.devices)
+            raise BadRequest(f"CUDA memory, but this daemon stands a CPU in for its GPU ({served})")
+        return ordinal_of(handle.device_uuid, handle.device, self.uuids)
+
+    def usable(self) -> None:
+        """Raise DeviceUnavailable with the reason once the path has failed."""
+        if self.failure:
+            raise DeviceUnavailable(f"the daemon's GPU path failed ({self.failure}); restart the daemon")
+
+    def fail(self, reason: str) -> None:
+        """A sticky error: from now on every GPU request is refused with the reason, and health says so."""
+        with self._lock:
+            first = not self.failure
+            self.failure = self.failure or reason
+        if first:
+            self._metrics.gpu_failed.set(1)
+            log.error("gpu: the GPU path failed: %s; GPU requests are refused until the daemon restarts", reason)
 
     def area(self, device: str) -> StagingArea:
         """The device's staging area, allocated on first use."""
@@ -181,32 +239,20 @@ class GpuRuntime:
         with self._lock:
             area = self._areas.get(device)
             if area is None:
-                if device not in self.devices:
-                    served = ", ".join(self.devices)
+                accelerator = next((d for d in self.devices if d.name == device), None)
+                if accelerator is None:
+                    served = ", ".join(d.name for d in self.devices)
                     raise BadRequest(f"memory on {device}, which this daemon does not serve ({served})")
                 area = StagingArea(
-                    device,
+                    accelerator,
                     self.settings.staging_bytes,
                     self.settings.bounce_bytes,
                     self._store.register_buffer,
                     self._store.unregister_buffer,
                 )
                 self._areas[device] = area
-                self._metrics.gpu_staging_bytes.set(sum(a.staging_bytes for a in self._areas.values()))
+                self._metrics.gpu_staging_bytes.set(sum(a.held_bytes for a in self._areas.values()))
             return area
-
-    def admit(self, memory: SessionMemory) -> None:
-        """Raise BadRequest unless this memory's device is served and each of its values fits the staging area;
-        allocates the device's area now, so the first save does not."""
-        if memory.device is None:
-            return
-        area = self.area(memory.device)
-        largest = max(max(sizes) for sizes in memory.part_bytes)
-        if largest > min(area.staging_bytes, area.bounce_bytes):
-            raise BadRequest(
-                f"a stored value of this layout is {largest} bytes, larger than the daemon's GPU staging "
-                f"({area.staging_bytes} bytes, bounce {area.bounce_bytes}): raise --gpu-staging-size"
-            )
 
     def host_segment(self) -> HostSegment | None:
         """The segment the device path copies from directly (None until known, or without one)."""
@@ -215,11 +261,14 @@ class GpuRuntime:
 
     def describe(self) -> str:
         """One line for the ready line and `kvsidecar status`."""
+        if self.failure:
+            return f"FAILED ({self.failure}): GPU requests are refused"
         if self.state != "ready":
             return f"{self.state} ({self.reason})" if self.reason else self.state
         with self._lock:
             segment, areas = self.segment, dict(self._areas)
-        parts = [f"ready on {', '.join(self.devices)} (CUDA started in {self.started_in_s:.2f} s)"]
+        names = ", ".join(d.name for d in self.devices)
+        parts = [f"ready on {names} (CUDA started in {self.started_in_s:.2f} s)"]
         if segment is not None:
             lock = f"page-locked in {self.pinned_in_s:.2f} s" if segment.pinned else "not page-locked"
             parts.append(f"segment {segment.replica.size // MiB} MiB {lock}")

@@ -1,7 +1,9 @@
-"""The GPU path against a real daemon (Mooncake's CUDA build, a real master) and ranks in processes of their own whose
-KV cache is CUDA memory shared over CUDA IPC. Runs on a GPU machine only (scripts/gpu/offline-check.sh); CI has no
-GPU, and tests/integration/test_device_path.py runs the same path with a CPU standing in.
+"""The GPU path against a real daemon and a real master, ranks in processes of their own whose KV cache is laid out
+as vLLM allocates it: CUDA memory shared over CUDA IPC on a GPU machine (scripts/gpu-check.sh), and on a machine
+without one shared memory moved by a daemon standing a CPU in for its GPU (--gpu cpu): the same device mover (plans,
+staging slots, rounds, copies from the segment), so a regression in its logic fails the suite before a GPU sees it.
 
+What needs CUDA itself (registration time of CUDA memory, GPU memory given back by a killed rank) is skipped on CPU.
 Each test prints RESULT lines (what it measured) for the check's summary.
 """
 
@@ -13,18 +15,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from cuda_rank import BLOCK_TOKENS, DEVICE, CudaRank
 
 from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar.testing.processes import Daemon
 from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, Parallel, kind_of, load_plan, save_plan
+from support.cuda_rank import BLOCK_TOKENS, DEVICE, CudaRank
+
+pytestmark = pytest.mark.integration
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ON_GPU = DEVICE != "cpu"
 LEASE_S = 10.0  # the daemon's default session lease
 GQA = [("full_attention", 32, 64 * KiB)]  # Llama-8B-like: 32 layers, 8 KV heads x 16 tokens x (K+V) x bf16
 MLA = [("mla", 61, 18 * KiB)]  # DeepSeek-V3-like latent
 HYBRID = [("mla", 8, 18 * KiB), ("full_attention", 8, 64 * KiB), ("mamba", 8, 256 * KiB)]
+# On CPU the same kinds, smaller: 24 blocks of 840 KiB through 4 MiB staging slots are several rounds.
+SMALL_GQA = [("full_attention", 4, 64 * KiB)]
+SMALL_HYBRID = [("mla", 4, 18 * KiB), ("full_attention", 4, 64 * KiB), ("mamba", 2, 256 * KiB)]
+needs_cuda = pytest.mark.skipif(not ON_GPU, reason="needs CUDA memory (a GPU): tests/gpu runs on CPU what it can")
 
 
 def result(name: str, value: object) -> None:
@@ -41,28 +50,24 @@ def wait_for(what: str, check, timeout: float, every: float = 0.05) -> float:  #
     return time.monotonic() - started
 
 
-needs_cuda = pytest.mark.skipif(DEVICE == "cpu", reason="a dry run on CPU (GPU_CHECK_DEVICE=cpu): CUDA memory only")
-
-
-def start_daemon(workdir: Path, *extra: str) -> Daemon:
-    size = "1GiB" if DEVICE == "cpu" else "8GiB"
-    daemon = Daemon(workdir, session_ttl=LEASE_S, segment_size=size, log_level="info", extra=extra)
-    daemon.start(timeout=120)
-    if DEVICE == "cpu":
-        return daemon
-    # CUDA and the page-locked segment start in the background: the speed checks want the segment locked.
-    wait_for(
-        "segment page-locked",
-        lambda: daemon.metric_samples("kvsidecar_gpu_pinned_segment_bytes").get("", 0.0) > 0,
-        120,
-        0.2,
-    )
-    return daemon
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[Daemon]:  # type: ignore[no-untyped-def]
-    d = start_daemon(tmp_path_factory.mktemp("daemon"), "--gpu-staging-size", "64MiB")
+    workdir = tmp_path_factory.mktemp("daemon")
+    if ON_GPU:
+        flags = ("--gpu-staging-size", "256MiB")
+        d = Daemon(workdir, session_ttl=LEASE_S, segment_size="8GiB", log_level="info", extra=flags)
+    else:
+        flags = ("--gpu", "cpu", "--gpu-staging-size", "16MiB", "--gpu-bounce-size", "16MiB")
+        d = Daemon(workdir, session_ttl=LEASE_S, segment_size="128MiB", extra=flags)
+    d.start(timeout=120)
+    if ON_GPU:
+        # CUDA and the page-locked segment start in the background: the speed checks want the segment locked.
+        wait_for(
+            "segment page-locked",
+            lambda: d.metric_samples("kvsidecar_gpu_pinned_segment_bytes").get("", 0.0) > 0,
+            120,
+            0.2,
+        )
     yield d
     d.stop()
     print((d.workdir / "daemon.log").read_text()[-3000:])
@@ -85,9 +90,13 @@ def pairs(groups, hashes, saved, loaded, hit, tails):  # type: ignore[no-untyped
     return out
 
 
-@pytest.mark.parametrize(("name", "groups"), [("gqa", GQA), ("mla", MLA), ("hybrid", HYBRID)])
+CASES = [("gqa", GQA), ("mla", MLA), ("hybrid", HYBRID)] if ON_GPU else [("hybrid", SMALL_HYBRID)]
+
+
+@pytest.mark.parametrize(("name", "groups"), CASES, ids=[name for name, _ in CASES])
 def test_a_fresh_process_loads_every_byte_another_saved(daemon, tmp_path, name, groups):
-    n, blocks = 40, 128  # 40 blocks of GQA are 80 MiB: two rounds of the 64 MiB staging
+    # On a GPU, 40 blocks of GQA are 80 MiB: two rounds of a 64 MiB slot.
+    n, blocks = (40, 128) if ON_GPU else (24, 48)
     writer = rank(daemon, tmp_path, f"{name}-writer", groups, blocks)
     reader = rank(daemon, tmp_path, f"{name}-reader", groups, blocks)
     try:
@@ -101,7 +110,7 @@ def test_a_fresh_process_loads_every_byte_another_saved(daemon, tmp_path, name, 
         assert out["failed"] == 0 and out["written"] > 0
         hit, tails = reader.call("lookup", hashes=hashes, tokens=n * BLOCK_TOKENS + 1)
         assert hit == n * BLOCK_TOKENS
-        loaded = [list(range(64, 64 + n))] * len(groups)
+        loaded = [list(range(blocks - n, blocks))] * len(groups)
         got = reader.call("load", hashes=hashes, ids=loaded, hit_tokens=hit, tails=list(tails))
         assert got["failed"] == []
         expected = pairs(groups, hashes, saved, loaded, hit, tails)
@@ -113,10 +122,13 @@ def test_a_fresh_process_loads_every_byte_another_saved(daemon, tmp_path, name, 
     finally:
         writer.stop()
         reader.stop()
+    if not ON_GPU:
+        # The daemon moved them through its device mover: a CPU stood in for its GPU.
+        assert daemon.metric_samples("kvsidecar_gpu_staging_bytes").get("", 0.0) == 16 * MiB
 
 
 def test_values_missing_from_the_store_fail_alone_and_leave_their_blocks(daemon, tmp_path):
-    r = rank(daemon, tmp_path, "partial", GQA, 64)
+    r = rank(daemon, tmp_path, "partial", GQA if ON_GPU else SMALL_GQA, 64)
     try:
         r.call("register")
         r.call("fill", seed=3)
@@ -145,16 +157,38 @@ def test_registering_cuda_memory_of_any_size_takes_under_a_second(daemon, tmp_pa
         r.stop()
 
 
+def settled_free_bytes(timeout: float = 30.0) -> int:
+    """The GPU's free memory once it stops moving (memory an earlier test's processes held is back by then)."""
+    last = torch.cuda.mem_get_info()[0]
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        time.sleep(0.5)
+        now = torch.cuda.mem_get_info()[0]
+        if abs(now - last) < 64 * MiB:
+            return int(now)
+        last = now
+    pytest.fail(f"the GPU's free memory did not settle within {timeout} s")
+
+
 @needs_cuda
 def test_a_killed_rank_gives_its_gpu_memory_back_within_the_lease(daemon, tmp_path):
     torch.cuda.init()
-    free_before, _ = torch.cuda.mem_get_info()
+    registered = "kvsidecar_registered_region_bytes"
+    free_before = settled_free_bytes()
+    mapped_before = daemon.metric_samples(registered).get("", 0.0)
     blocks = (8 * GiB) // (64 * KiB)
     doomed = rank(daemon, tmp_path, "doomed", [("full_attention", 1, 64 * KiB)], blocks)
     doomed.call("register")
     assert torch.cuda.mem_get_info()[0] < free_before - 7 * GiB
+    assert daemon.metric_samples(registered).get("", 0.0) >= mapped_before + 8 * GiB
     doomed.kill()
-    back = wait_for("8 GiB back", lambda: torch.cuda.mem_get_info()[0] > free_before - GiB, LEASE_S + 30, 0.1)
+
+    def released() -> bool:
+        # This rank's 8 GiB, and no earlier test's memory: the daemon let go of exactly its mapping.
+        ours = daemon.metric_samples(registered).get("", 0.0) <= mapped_before
+        return ours and torch.cuda.mem_get_info()[0] > free_before - GiB
+
+    back = wait_for("8 GiB back", released, LEASE_S + 30, 0.1)
     result("GPU memory of a rank killed -9 back after", f"{back:.1f} s (lease {LEASE_S:.0f} s; target lease + 1 s)")
     assert back <= LEASE_S + 1
     # The daemon serves the next rank as before.

@@ -1,0 +1,48 @@
+"""The one seam for bytes: what the data path asks of a session memory's mover, whatever memory it is."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvsidecar.memory.regions import SessionMemory
+from kvsidecar.metrics import Metrics
+from kvsidecar.store import StoreCode
+from kvsidecar_contract.placement import Chunk
+
+__all__ = ["Mover", "check_chunks", "count_failure"]
+
+
+class Mover(Protocol):
+    """Moves one session memory's values between its blocks and the store; chosen once, when the memory is
+    registered (movers/factory.py). A value is a chunk's block's slices, concatenated (memory/regions.py)."""
+
+    memory: SessionMemory
+
+    def check(self, chunks: Sequence[Chunk]) -> None:
+        """Raise BadRequest unless every chunk names a block (and value part) of the memory: before anything moves."""
+
+    def put(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
+        """Write each checked chunk's value under its key; one code per chunk (a store call that failed whole
+        gives its code to each of its chunks). Returns once the blocks may be reused."""
+        ...
+
+    def get(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
+        """Read each key's value into its checked chunk's block; one code per chunk. A value that was not read is
+        never written into its block; returns once the bytes are in the engine's memory."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the memory (what the mover registered for it, views into it): no call runs on it any more."""
+
+
+def check_chunks(memory: SessionMemory, chunks: Sequence[Chunk]) -> None:
+    """Raise BadRequest unless every chunk names a block (and value part) of memory."""
+    check = memory.check
+    for c in chunks:
+        check(c.group, c.block_id, c.part)
+
+
+def count_failure(metrics: Metrics, operation: str, code: StoreCode) -> None:
+    """A store call that failed as a whole, counted for operators."""
+    metrics.store_errors.labels(operation, code.value).inc()
