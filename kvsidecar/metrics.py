@@ -177,6 +177,20 @@ class Metrics:
         self.disk_queued_bytes = Gauge(
             "kvsidecar_disk_tier_queued_bytes", "Value bytes waiting to be written to the disk tier.", registry=r
         )
+        self.disk_evicted_blocks = Counter(
+            "kvsidecar_disk_tier_evicted_blocks",
+            "Disk-tier blocks dropped with their file to make room (every drop is also logged).",
+            registry=r,
+        )
+        self.disk_evicted_bytes = Counter(
+            "kvsidecar_disk_tier_evicted_bytes", "Value bytes of the disk-tier blocks dropped to make room.", registry=r
+        )
+        self.disk_writing = Gauge(
+            "kvsidecar_disk_tier_writing",
+            "1 while the disk tier writes, 0 while its filesystem refuses writes (full, failing); 1 without one.",
+            registry=r,
+        )
+        self.disk_writing.set(1)
         for reason in ("queue_full", "no_space", "io_error", "too_large", "device_source"):
             self.disk_skipped_writes.labels(reason)
         # Both tiers exported from the start (zero without a disk tier), so dashboards and alerts always find them.
