@@ -92,6 +92,12 @@ class Metrics:
             ["operation", "reason"],
             registry=r,
         )
+        self.store_retries = Counter(
+            "kvsidecar_store_retries",
+            "Values a store call is made for again after a transient failure, by operation and the failure's reason.",
+            ["operation", "reason"],
+            registry=r,
+        )
         self.sessions = Gauge("kvsidecar_sessions", "Open engine sessions.", ["role"], registry=r)
         self.regions_bytes = Gauge(
             "kvsidecar_registered_region_bytes", "Bytes of engine memory mapped by the daemon.", registry=r

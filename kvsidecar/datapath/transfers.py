@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
+from kvsidecar.datapath.retries import RetryPolicy, retry_transient
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.gpu import transfers as device
@@ -60,10 +61,12 @@ class DataPath:
         events: StoreEvents = NO_EVENTS,
         max_lookup_hashes: int = MAX_HASHES,
         gpu: GpuRuntime | None = None,
+        retries: RetryPolicy | None = None,
     ) -> None:
         """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
         for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes); gpu moves the memory of
-        sessions whose KV cache is on a GPU (its staging areas and page-locked segment)."""
+        sessions whose KV cache is on a GPU (its staging areas and page-locked segment); retries says how a load tries
+        again what the store failed transiently."""
         self.store = store
         self.gpu = gpu
         self.max_lookup_hashes = max_lookup_hashes
@@ -71,6 +74,7 @@ class DataPath:
         self.backoff = backoff or NoSpaceBackoff()
         self._budget_of = budget_of
         self.events = events
+        self.retries = retries or RetryPolicy()
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -242,14 +246,19 @@ class DataPath:
         self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
         return LookupOutcome(hit, False, "")
 
-    def load(self, session: Session, request: LoadArgs) -> LoadOutcome:
-        """Read the hit's chunks straight into engine memory with one batch get; name every block that failed."""
-        (out,) = self.load_many(session, [request])
+    def load(self, session: Session, request: LoadArgs, deadline: float | None = None) -> LoadOutcome:
+        """Read the hit's chunks straight into engine memory with one batch get; name every block that failed.
+
+        deadline (time.monotonic()) is the client's: a transient store failure is tried again only while the retry
+        can end before it."""
+        (out,) = self.load_many(session, [request], deadline)
         if isinstance(out, Exception):
             raise out
         return out
 
-    def load_many(self, session: Session, requests: Sequence[LoadArgs]) -> list[LoadOutcome | Exception]:
+    def load_many(
+        self, session: Session, requests: Sequence[LoadArgs], deadline: float | None = None
+    ) -> list[LoadOutcome | Exception]:
         """Several requests' loads (an engine step) with one batch get for all of them, each answered on its own.
 
         A request whose plan is refused gets its error in its place; nothing is read for it.
@@ -278,7 +287,7 @@ class DataPath:
                 except Exception as exc:
                     out[i] = exc
             every = [c for _, reads, _, _ in staged for c in reads]
-            codes = self._get(memory, every, [b for _, _, _, bufs in staged for b in bufs]) if every else []
+            codes = self._get(memory, every, [b for _, _, _, bufs in staged for b in bufs], deadline) if every else []
         start = 0
         for i, reads, nowhere, _ in staged:
             end = start + len(reads)
@@ -286,9 +295,12 @@ class DataPath:
             start = end
         return _filled(out)
 
-    def _get(self, memory: SessionMemory, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
+    def _get(
+        self, memory: SessionMemory, chunks: Sequence[Chunk], buffers: Sequence[Buffers], deadline: float | None
+    ) -> list[StoreCode]:
         """Each chunk's read into its buffers; a key read into two blocks (two requests of a step sharing a
-        prefix) is read again in a second batch, so that no batch names a key twice."""
+        prefix) is read again in a second batch, so that no batch names a key twice. A transient failure is read
+        again while the deadline allows."""
         codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
         seen: set[str] = set()
         firsts: list[int] = []
@@ -296,9 +308,8 @@ class DataPath:
         for j, c in enumerate(chunks):
             (repeats if c.key in seen else firsts).append(j)
             seen.add(c.key)
-        for batch in (firsts, repeats):
-            if not batch:
-                continue
+
+        def read(batch: Sequence[int]) -> list[StoreCode]:
             try:
                 with self._timed("get"):
                     if memory.device is None:
@@ -320,8 +331,14 @@ class DataPath:
             except StoreError as exc:
                 self._store_failed("get", exc)
                 got = [exc.code] * len(batch)
-            for j, code in zip(batch, got, strict=True):
-                codes[j] = code
+            return got
+
+        retried = self.metrics.store_retries.labels
+        for batch in (firsts, repeats):
+            if batch:
+                got = retry_transient(read, batch, self.retries, deadline, lambda c, n: retried("get", c.value).inc(n))
+                for j, code in zip(batch, got, strict=True):
+                    codes[j] = code
         return codes
 
     def _buffers(self, memory: SessionMemory, chunks: Sequence[Chunk]) -> list[Buffers]:
