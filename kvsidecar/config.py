@@ -25,11 +25,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from kvsidecar_contract.paths import default_socket_path
+from kvsidecar_contract.paths import data_socket_path, default_socket_path
 
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9469"
+DEFAULT_SOCKET_MODE = 0o660
 DEFAULT_SEGMENT_BYTES = 1 * GiB
 DEFAULT_LOCAL_BUFFER_BYTES = 64 * MiB
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
@@ -47,6 +48,11 @@ DEFAULT_MAX_SESSIONS_PER_ACCOUNT = 1024
 DEFAULT_MAX_LOOKUP_HASHES = 1 << 17  # a 2M-token prompt at 16-token blocks; one call's work holds the GIL throughout
 DEFAULT_MAX_MEMFDS = 4096  # memfds parked or mapped (each mapped one holds two of the daemon's descriptors)
 DEFAULT_MAX_MEMFDS_PER_ACCOUNT = 1024
+# An unreachable master fails the start this soon (Mooncake's own setup retries it for ~90 s).
+DEFAULT_MASTER_TIMEOUT_S = 5.0
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# sun_path holds 108 bytes with its NUL; the data and side sockets beside the socket add 5 to its path.
+MAX_UNIX_PATH_BYTES = 107
 
 
 def parse_size(text: str | int) -> int:
@@ -144,7 +150,7 @@ class Config:
         group=SOCKETS,
     )
     socket_mode: int = setting(
-        0o660, help="permissions of the socket file, octal (default 0660)", parse=_octal, group=SOCKETS
+        DEFAULT_SOCKET_MODE, help="permissions of the socket file, octal (default 0660)", parse=_octal, group=SOCKETS
     )
     socket_group: str = setting("", help="group that owns the socket file (default: the daemon's)", group=SOCKETS)
     listen: str = setting(
@@ -206,6 +212,15 @@ class Config:
     )
     master_binary: str = setting(
         "", help="path of mooncake_master for the embedded master (default: next to python, or PATH)", group=STORE
+    )
+    master_timeout: float = setting(
+        DEFAULT_MASTER_TIMEOUT_S,
+        help=(
+            "seconds the start waits for the Mooncake master to accept connections and set this node up before it "
+            "gives up (default 5); raise it where the daemon may start before its master"
+        ),
+        parse=float,
+        group=STORE,
     )
     master_lease_ttl_ms: int = setting(
         10_000,
@@ -411,6 +426,15 @@ class Config:
             raise ConfigError(f"protocol must be tcp or rdma, got {self.protocol!r}")
         if self.segment_size and self.segment_size < 16 * MiB:
             raise ConfigError(f"segment-size must be 0 or >= 16MiB (Mooncake's minimum), got {self.segment_size}")
+        if not self.segment_size and not self.master:
+            raise ConfigError(
+                "segment-size 0 with the embedded master stores nothing (no node contributes memory): give a "
+                "segment (e.g. 1GiB), or --master of a cluster whose nodes contribute theirs"
+            )
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log-level must be debug, info, warning or error, got {self.log_level!r}")
+        if not self.master_timeout > 0:
+            raise ConfigError(f"master-timeout must be > 0 seconds, got {self.master_timeout:g}")
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
         if self.gpu not in ("auto", "off", "cpu"):
@@ -441,8 +465,7 @@ class Config:
             value = getattr(self, name)
             if value:
                 parse_address(value)
-        if not self.socket:
-            raise ConfigError("socket path must not be empty")
+        self._check_socket()
         if self.ssd_dir:
             if not os.path.isabs(self.ssd_dir):
                 raise ConfigError(f"ssd-dir must be an absolute path, got {self.ssd_dir!r}")
@@ -468,6 +491,16 @@ class Config:
                 )
         elif self.tls_cert or self.tls_key or self.tls_client_ca or self.token_file:
             raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
+
+    def _check_socket(self) -> None:
+        if not os.path.isabs(self.socket):
+            raise ConfigError(f"socket must be an absolute path, got {self.socket!r}")
+        longest = len(os.fsencode(data_socket_path(self.socket)))
+        if longest > MAX_UNIX_PATH_BYTES:
+            raise ConfigError(
+                f"socket path {self.socket!r} is too long: a Unix socket path holds at most {MAX_UNIX_PATH_BYTES} "
+                f"bytes, and the daemon's data socket beside it ({data_socket_path(self.socket)!r}) takes {longest}"
+            )
 
     def _check_kv_events(self) -> None:
         from kvsidecar.events.endpoints import EndpointError, check_endpoint
@@ -597,6 +630,11 @@ def build(values: dict[str, Any]) -> Config:
     unknown = set(values) - set(fields)
     if unknown:
         raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+    # A disk-tier setting without the disk tier would do nothing: say so rather than ignore it.
+    idle = [n for n in values if fields[n].metadata["group"] is DISK_TIER and n != "ssd_dir"]
+    if idle and not values.get("ssd_dir"):
+        flags = ", ".join("--" + n.replace("_", "-") for n in sorted(idle))
+        raise ConfigError(f"{flags} {'applies' if len(idle) == 1 else 'apply'} only with --ssd-dir (the disk tier)")
     ready = dict(values)
     for name, value in values.items():
         if fields[name].metadata["repeatable"]:

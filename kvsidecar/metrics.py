@@ -92,6 +92,12 @@ class Metrics:
             ["operation", "reason"],
             registry=r,
         )
+        self.store_retries = Counter(
+            "kvsidecar_store_retries",
+            "Values a store call is made for again after a transient failure, by operation and the failure's reason.",
+            ["operation", "reason"],
+            registry=r,
+        )
         self.sessions = Gauge("kvsidecar_sessions", "Open engine sessions.", ["role"], registry=r)
         self.regions_bytes = Gauge(
             "kvsidecar_registered_region_bytes", "Bytes of engine memory mapped by the daemon.", registry=r
@@ -182,6 +188,20 @@ class Metrics:
         self.disk_queued_bytes = Gauge(
             "kvsidecar_disk_tier_queued_bytes", "Value bytes waiting to be written to the disk tier.", registry=r
         )
+        self.disk_evicted_blocks = Counter(
+            "kvsidecar_disk_tier_evicted_blocks",
+            "Disk-tier blocks dropped with their file to make room (every drop is also logged).",
+            registry=r,
+        )
+        self.disk_evicted_bytes = Counter(
+            "kvsidecar_disk_tier_evicted_bytes", "Value bytes of the disk-tier blocks dropped to make room.", registry=r
+        )
+        self.disk_writing = Gauge(
+            "kvsidecar_disk_tier_writing",
+            "1 while the disk tier writes, 0 while its filesystem refuses writes (full, failing); 1 without one.",
+            registry=r,
+        )
+        self.disk_writing.set(1)
         for reason in ("queue_full", "no_space", "io_error", "too_large", "device_source"):
             self.disk_skipped_writes.labels(reason)
         # Both tiers exported from the start (zero without a disk tier), so dashboards and alerts always find them.

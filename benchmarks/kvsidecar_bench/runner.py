@@ -321,6 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     """`kvsidecar bench`, `kvsidecar-bench` and `python -m kvsidecar_bench`."""
     from kvsidecar_bench.settings import add_arguments
 
-    parser = argparse.ArgumentParser(prog="kvsidecar bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvsidecar bench", description=__doc__, allow_abbrev=False)
     add_arguments(parser)
     return run(parser.parse_args(argv))

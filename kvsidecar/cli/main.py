@@ -20,7 +20,14 @@ EXIT_OUTPUT_CLOSED = 141
 
 
 class _Parser(argparse.ArgumentParser):
-    """A usage error in one line: what is wrong and where the help is (serve's usage alone is 37 lines)."""
+    """A usage error in one line: what is wrong and where the help is (serve's usage alone is 37 lines).
+
+    No prefix matching: `--segment 2GiB` is an unknown flag, not --segment-size (a typo must not set something).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see {self.prog} --help\n")

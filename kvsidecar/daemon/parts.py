@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvsidecar.daemon.settings import ServiceSettings, TenancySettings
+from kvsidecar.datapath.retries import RetryPolicy
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
@@ -52,14 +53,17 @@ def build_data_path(
     metrics: Metrics,
     tenancy: Tenancy,
     events: StoreEvents = NO_EVENTS,
+    retries: RetryPolicy | None = None,
 ) -> DataPath:
-    """Saves, lookups and loads against the store, within each tenant's write budget, telling events of writes."""
+    """Saves, lookups and loads against the store, within each tenant's write budget, telling events of writes;
+    loads try again what the store failed transiently, as retries allows."""
     return DataPath(
         store,
         metrics,
         budget_of=tenancy.budget,
         events=events,
         max_lookup_hashes=settings.max_lookup_hashes,
+        retries=retries,
     )
 
 

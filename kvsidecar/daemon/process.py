@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,13 @@ from kvsidecar import __version__
 from kvsidecar.config import Config, parse_address
 from kvsidecar.daemon import notify
 from kvsidecar.daemon.loopback import LoopbackGuard
+from kvsidecar.daemon.master_link import reach_master
 from kvsidecar.daemon.parts import build_data_path, build_service, build_sessions, open_tenancy
+from kvsidecar.daemon.preflight import preflight
 from kvsidecar.daemon.settings import EventSettings, settings_of
-from kvsidecar.daemon.sockets import claim_socket, socket_gid
+from kvsidecar.daemon.signals import Signals, StopSignals
+from kvsidecar.daemon.sockets import SocketLock, claim_socket
+from kvsidecar.datapath.retries import DEFAULT_CALL_S, RetryPolicy
 from kvsidecar.errors import ConfigError, DaemonError, FenceError
 from kvsidecar.events.feed import NO_EVENTS
 from kvsidecar.events.node import NodeEvents
@@ -35,10 +40,11 @@ from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.rpc.datasocket import DataSocket
-from kvsidecar.rpc.servers import SERVICE_NAME, create_servers
+from kvsidecar.rpc.servers import DISK_TIER_HEALTH, SERVICE_NAME, create_servers
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.rpc.side import SideChannel
 from kvsidecar.store import Store
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.tenancy.live import Tenancy
 from kvsidecar.tiers.node import DiskTierNode
 from kvsidecar_contract.paths import data_socket_path, side_socket_path
@@ -48,6 +54,7 @@ __all__ = ["HOUSEKEEPING_INTERVAL_S", "SHUTDOWN_GRACE_S", "Daemon", "serve"]
 log = logging.getLogger("kvsidecar")
 
 HOUSEKEEPING_INTERVAL_S = 1.0
+MOONCAKE_RPC_TIMEOUT_S = 30.0  # Mooncake's own default for MC_RPC_TIMEOUT_MS
 SHUTDOWN_GRACE_S = 5.0
 
 
@@ -58,9 +65,16 @@ class Daemon:
     """
 
     def __init__(
-        self, config: Config, *, store: Store | None = None, registry: CollectorRegistry | None = None
+        self,
+        config: Config,
+        *,
+        store: Store | None = None,
+        registry: CollectorRegistry | None = None,
+        signals: Signals | None = None,
     ) -> None:
+        """signals: the process's stop signals (serve's); a daemon in a thread of a test has none of its own."""
         self.settings = settings = settings_of(config)  # each part is told only its own settings from here on
+        self.signals = signals or Signals()
         # The disk tier is the daemon's own (tiers/), so it opens no listener: a single node admits nobody.
         single_node = not settings.master.address
         self.fence = DaemonFence(
@@ -86,6 +100,8 @@ class Daemon:
         self.kv_events: NodeEvents | None = None
         self.gpu: GpuRuntime | None = None
         self.loopback = LoopbackGuard.none("not started")
+        self.socket_lock: SocketLock | None = None
+        self._store_call_s = DEFAULT_CALL_S  # the longest one Mooncake call takes (its RPC timeout)
         self.failure = ""  # why the daemon stopped itself, if it did
 
     async def start(self) -> None:
@@ -99,8 +115,11 @@ class Daemon:
     async def _start(self) -> None:
         """Every part, in dependency order; stop() undoes them in reverse."""
         s, loop = self.settings, asyncio.get_running_loop()
-        claim_socket(s.socket.path)  # fail before starting a master if another daemon owns the socket
+        # Before anything is started: of any number of daemons started on one socket, one goes on from here.
+        self.socket_lock = claim_socket(s.socket.path, own_directory=s.socket.own_directory)
+        gid = preflight(s)  # what can be checked without starting anything
         self.tenancy = tenancy = open_tenancy(s.tenancy, self.metrics)
+        self._serve_metrics()  # bound now: a port in use fails the start before a master or Mooncake is started
         self._guard_loopback(loop)
         if s.disk is not None:
             # Claims the directory and replays its index (seconds for a full tier): off the event loop.
@@ -110,12 +129,12 @@ class Daemon:
         # CUDA contexts and the page-locked segment start in the background: ranks may register before they are done.
         self.gpu = gpu = GpuRuntime(s.gpu, store, self.metrics)
         gpu.start()
-        self._serve_metrics()
         self.kv_events = self._start_events(s.events, store)
         # The store and the GPU path into the sessions' movers, sessions and data path into the service.
         sessions = build_sessions(s.service, s.shares, store, self.metrics, gpu)
         events = self.kv_events.feed if self.kv_events else NO_EVENTS
-        datapath = build_data_path(s.service, store, self.metrics, tenancy, events)
+        retries = RetryPolicy(call_s=self._store_call_s)
+        datapath = build_data_path(s.service, store, self.metrics, tenancy, events, retries)
         self.service = build_service(
             s.service,
             datapath,
@@ -126,7 +145,6 @@ class Daemon:
             master_address=self.master_address,
             listeners=self.fence.listeners_with_drops,
         )
-        gid = socket_gid(s.socket.group)
         await self._open_servers(self.service, gid)
         self._open_data_socket(self.service, gid)
         self._report_listeners()
@@ -141,11 +159,26 @@ class Daemon:
         if store is None:
             if not self.settings.master.address:
                 self._start_master()
-            store = await loop.run_in_executor(None, self._open_store)
+            store = await self._connect_store(loop)
             self._store = store  # closed by stop() even if what follows fails
         if self.disk_tier is not None:
             store = self.disk_tier.wrap(store)  # one store to the data path: DRAM, the disk behind it
         return store
+
+    async def _connect_store(self, loop: asyncio.AbstractEventLoop) -> Store:
+        """Mooncake's client, set up once its master accepts connections, trying again until --master-timeout."""
+        timeout = self.settings.master.timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            await reach_master(self.master_address, deadline, timeout)
+            try:
+                # The setup holds the GIL while it runs: a stop signal meanwhile ends the process at once.
+                with self.signals.fatal():
+                    return await loop.run_in_executor(None, self._open_store)
+            except StoreUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("Mooncake setup failed, trying again until %g s have passed: %s", timeout, exc.reason)
 
     def _serve_metrics(self) -> None:
         host, port = parse_address(self.settings.metrics_address)
@@ -285,12 +318,7 @@ class Daemon:
 
         cfg = self.settings.store
         ensure_native_libs()
-        # Mooncake's own environment variables, set at the edge: stay on loopback when the node is loopback.
-        if cfg.local_hostname in ("127.0.0.1", "localhost", "::1"):
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        # A hung master must not hold a worker thread for Mooncake's default 30 s: lookups degrade to misses.
-        os.environ.setdefault("MC_RPC_TIMEOUT_MS", "5000")
+        self._store_call_s = _mooncake_environment(cfg.local_hostname)
         settings = MooncakeSettings(
             local_hostname=cfg.local_hostname,
             metadata_server=cfg.metadata_server,
@@ -318,6 +346,9 @@ class Daemon:
         # requests refused); its health says so.
         gpu_failed = self.gpu is not None and bool(self.gpu.failure)
         await self._health.set(SERVICE_NAME, serving if health.healthy and not gpu_failed else not_serving)
+        if self.disk_tier is not None:
+            # The store serves without its disk tier; whether the tier writes has a health name of its own.
+            await self._health.set(DISK_TIER_HEALTH, not_serving if self.disk_tier.engine.writing() else serving)
 
     async def _housekeep(self) -> None:
         assert self.service is not None
@@ -408,17 +439,46 @@ class Daemon:
             self._httpd.server_close()
         if self._servers:
             Path(self.settings.socket.path).unlink(missing_ok=True)
+        if self.socket_lock is not None:
+            self.socket_lock.release()  # last: another daemon may take the socket from here on
+
+
+def _mooncake_environment(local_hostname: str) -> float:
+    """Mooncake's own environment variables, set at the edge where the operator has not; the longest one of its
+    calls to the master may take (its RPC timeout), in seconds."""
+    # Stay on loopback when the node is loopback.
+    if local_hostname in ("127.0.0.1", "localhost", "::1"):
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    # One attempt per setup (~4.4 s when it fails): the daemon waits for the master itself (--master-timeout).
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    # A hung master must not hold a worker thread for Mooncake's default 30 s: lookups degrade to misses, and a load
+    # tries again within its deadline (datapath/retries.py).
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", "5000")
+    try:
+        timeout_ms = float(os.environ["MC_RPC_TIMEOUT_MS"])
+    except ValueError:
+        timeout_ms = 0
+    return timeout_ms / 1000 if timeout_ms > 0 else MOONCAKE_RPC_TIMEOUT_S  # <= 0: Mooncake waits its default
 
 
 async def serve(config: Config) -> None:
-    """Run the daemon until SIGTERM or SIGINT."""
-    daemon = Daemon(config)
+    """Run the daemon until SIGTERM or SIGINT, which also end a start at any point."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    daemon = Daemon(config, signals=StopSignals(loop, stop.set))
     loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
-    await daemon.start()
+    starting = asyncio.ensure_future(daemon.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("kvsidecar stopping: %s while starting", daemon.signals.received)
+        starting.cancel()  # start() stops what it had started before it ends
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return
+    stopping.cancel()
+    starting.result()  # a start that failed raises its reason here
     await stop.wait()
     log.info("kvsidecar stopping")
     await daemon.stop()

@@ -16,6 +16,7 @@ from kvsidecar.rpc.auth import TlsSettings
 from kvsidecar.rpc.servers import ServerSettings
 from kvsidecar.tenancy.shares import ShareLimits
 from kvsidecar.tiers.node import DiskTierSettings
+from kvsidecar_contract.paths import default_socket_path
 
 __all__ = [
     "EventSettings",
@@ -31,11 +32,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SocketSettings:
-    """The Unix socket engines connect to (the side and data sockets sit beside it), its mode and group."""
+    """The Unix socket engines connect to (the side and data sockets sit beside it), its mode and group, and whether
+    its directory is the daemon's own (the default socket's: created if missing)."""
 
     path: str
     mode: int
     group: str
+    own_directory: bool
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,14 @@ class TenancySettings:
 
 @dataclass(frozen=True)
 class MasterSettings:
-    """The Mooncake master: an external one's address ("": embed one, started with binary and lease)."""
+    """The Mooncake master: an external one's address ("": embed one, started with binary and lease), and how long
+    the start waits for it."""
 
     address: str
     binary: str
     lease_ttl_ms: int
     peer_networks: tuple[str, ...]
+    timeout: float
 
 
 @dataclass(frozen=True)
@@ -114,9 +119,11 @@ def settings_of(config: Config) -> Settings:
     """Each part's settings, cut from the daemon's Config."""
     c = config
     return Settings(
-        socket=SocketSettings(c.socket, c.socket_mode, c.socket_group),
+        socket=SocketSettings(c.socket, c.socket_mode, c.socket_group, c.socket == default_socket_path()),
         tenancy=TenancySettings(c.tenants, c.allow_shm_names, c.trust_local_accounts),
-        master=MasterSettings(c.master, c.master_binary, c.master_lease_ttl_ms, tuple(c.peer_network)),
+        master=MasterSettings(
+            c.master, c.master_binary, c.master_lease_ttl_ms, tuple(c.peer_network), c.master_timeout
+        ),
         store=StoreSettings(
             local_hostname=c.local_hostname,
             metadata_server=c.metadata_server,

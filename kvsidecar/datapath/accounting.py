@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from kvsidecar.memory.regions import SessionMemory
@@ -14,6 +16,8 @@ from kvsidecar.values import Failure, LoadOutcome, SaveOutcome
 from kvsidecar_contract.placement import Chunk, SavePlan
 
 __all__ = ["Saved", "kinds_of", "load_outcome", "save_failed", "save_outcome"]
+
+log = logging.getLogger("kvsidecar")
 
 
 class Saved(enum.Enum):
@@ -98,6 +102,16 @@ def load_outcome(
     for (g, _), code in failed.items():
         loaded_per_group[g] -= 1
         metrics.load_failed_blocks.labels(kinds[g], code.value).inc()
+    if failed:
+        # Once per request: a load that fails what a lookup promised costs the engine a recompute.
+        causes = Counter(code.value for code in failed.values())
+        log.warning(
+            "load of session %s: %d of %d blocks failed (%s); the engine recomputes them",
+            session.id[:8],
+            len(failed),
+            len({(c.group, c.span_index) for c in chunks}),
+            ", ".join(f"{reason}: {n}" for reason, n in causes.most_common()),
+        )
     for g, kind in enumerate(kinds):
         if loaded_per_group[g]:
             metrics.loaded_blocks.labels(kind).inc(loaded_per_group[g])

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
+from kvsidecar.datapath.retries import RetryPolicy, retry_transient
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory.regions import SessionMemory
@@ -57,15 +58,18 @@ class DataPath:
         budget_of: Callable[[str], WriteBudget | None] = lambda tenant: None,
         events: StoreEvents = NO_EVENTS,
         max_lookup_hashes: int = MAX_HASHES,
+        retries: RetryPolicy | None = None,
     ) -> None:
         """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
-        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes)."""
+        for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes); retries says how a load tries
+        again what the store failed transiently."""
         self.store = store
         self.max_lookup_hashes = max_lookup_hashes
         self.metrics = metrics
         self.backoff = backoff or NoSpaceBackoff()
         self._budget_of = budget_of
         self.events = events
+        self.retries = retries or RetryPolicy()
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -222,14 +226,19 @@ class DataPath:
         self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
         return LookupOutcome(hit, False, "")
 
-    def load(self, session: Session, request: LoadArgs) -> LoadOutcome:
-        """Read the hit's chunks straight into engine memory with one batch get; name every block that failed."""
-        (out,) = self.load_many(session, [request])
+    def load(self, session: Session, request: LoadArgs, deadline: float | None = None) -> LoadOutcome:
+        """Read the hit's chunks straight into engine memory with one batch get; name every block that failed.
+
+        deadline (time.monotonic()) is the client's: a transient store failure is tried again only while the retry
+        can end before it."""
+        (out,) = self.load_many(session, [request], deadline)
         if isinstance(out, Exception):
             raise out
         return out
 
-    def load_many(self, session: Session, requests: Sequence[LoadArgs]) -> list[LoadOutcome | Exception]:
+    def load_many(
+        self, session: Session, requests: Sequence[LoadArgs], deadline: float | None = None
+    ) -> list[LoadOutcome | Exception]:
         """Several requests' loads (an engine step) with one batch get for all of them, each answered on its own.
 
         A request whose plan is refused gets its error in its place; nothing is read for it.
@@ -260,7 +269,7 @@ class DataPath:
                 except Exception as exc:
                     out[i] = exc
             every = [c for _, reads, _ in staged for c in reads]
-            codes = self._get(mover, every) if every else []
+            codes = self._get(mover, every, deadline) if every else []
         start = 0
         for i, reads, nowhere in staged:
             end = start + len(reads)
@@ -268,9 +277,10 @@ class DataPath:
             start = end
         return _filled(out)
 
-    def _get(self, mover: Mover, chunks: Sequence[Chunk]) -> list[StoreCode]:
+    def _get(self, mover: Mover, chunks: Sequence[Chunk], deadline: float | None) -> list[StoreCode]:
         """Each chunk's read into its block; a key read into two blocks (two requests of a step sharing a prefix)
-        is read again in a second batch, so that no batch names a key twice."""
+        is read again in a second batch, so that no batch names a key twice. A transient failure is read again
+        while the deadline allows."""
         codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
         seen: set[str] = set()
         firsts: list[int] = []
@@ -278,13 +288,17 @@ class DataPath:
         for j, c in enumerate(chunks):
             (repeats if c.key in seen else firsts).append(j)
             seen.add(c.key)
-        for batch in (firsts, repeats):
-            if not batch:
-                continue
+
+        def read(batch: Sequence[int]) -> list[StoreCode]:
             with self._timed("get"):
-                got = mover.get([chunks[j].key for j in batch], [chunks[j] for j in batch])
-            for j, code in zip(batch, got, strict=True):
-                codes[j] = code
+                return mover.get([chunks[j].key for j in batch], [chunks[j] for j in batch])
+
+        retried = self.metrics.store_retries.labels
+        for batch in (firsts, repeats):
+            if batch:
+                got = retry_transient(read, batch, self.retries, deadline, lambda c, n: retried("get", c.value).inc(n))
+                for j, code in zip(batch, got, strict=True):
+                    codes[j] = code
         return codes
 
     def reset(self, session: Session) -> int:

@@ -250,7 +250,7 @@ class Handlers:
     def load(self, request: pb.LoadRequest, call: Call) -> pb.LoadResponse:
         with self.sessions.use(request.session_id) as session:
             args = wire.load_args(request, session.hash_bytes, len(session.layout.groups))
-            out = self.datapath.load(session, args)
+            out = self.datapath.load(session, args, call.deadline)
         return wire.load_response(out)
 
     @handles("LoadBatch")
@@ -261,7 +261,7 @@ class Handlers:
             session.require_memory()  # a session that may not save or load fails the batch, whatever its items
             groups = len(session.layout.groups)
             args = [_item(wire.load_args, item, session.hash_bytes, groups) for _, item in items]
-            outs = self.datapath.load_many(session, [a for a in args if not isinstance(a, Exception)])
+            outs = self.datapath.load_many(session, [a for a in args if not isinstance(a, Exception)], call.deadline)
         results = self._answers("LoadBatch", items, args, outs, pb.LoadItemResult, wire.load_response)
         return pb.LoadBatchResponse(results=results)
 

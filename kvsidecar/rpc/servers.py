@@ -18,9 +18,11 @@ from kvsidecar.rpc import wire
 from kvsidecar.rpc.auth import TlsSettings, TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.rpc.servicer import SidecarService
 
-__all__ = ["SERVICE_NAME", "ServerSettings", "create_servers"]
+__all__ = ["DISK_TIER_HEALTH", "SERVICE_NAME", "ServerSettings", "create_servers"]
 
 SERVICE_NAME = wire.SERVICE_NAME
+# The health service's name for the disk tier (with --ssd-dir): NOT_SERVING while it does not write (full, failing).
+DISK_TIER_HEALTH = "kvsidecar.disk_tier"
 
 
 @dataclass(frozen=True)

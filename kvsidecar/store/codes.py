@@ -44,6 +44,14 @@ _BY_NUMBER: dict[int, StoreCode] = {
 }
 
 
+# Codes a second try of the same call may not get: the master did not answer within the client's RPC timeout
+# (MC_RPC_TIMEOUT_MS, 5 s as the daemon sets it; Mooncake's default is 30 s), as when it is busy or paused, and nothing
+# was read or written. Not transient: RPC_FAILED (-900; the master is gone, and a master that comes back has none of
+# the keys, so a retry costs the wait and finds nothing), and every answer about the key itself (not found, leased,
+# no space, transfer failed: the bytes could not be moved).
+TRANSIENT = frozenset({StoreCode.RPC_TIMEOUT})
+
+
 def from_mooncake(code: int) -> StoreCode:
     """Map a Mooncake return value (0 or bytes on success, negative on failure) to a StoreCode."""
     if code >= 0:

@@ -5,8 +5,9 @@
   One writer thread writes each batch of queued values with one pwritev of those buffers (O_DIRECT where the
   filesystem takes it), makes it durable, then appends the batch's index records and makes those durable: an index
   record never names bytes not on disk.
-- Segment files are preallocated and append-only; the tier holds at most capacity // file_size of them and drops
-  the oldest file (with every value in it) to make room.
+- Segment files (segments.py) are preallocated and append-only; their bytes on disk count against the capacity, and
+  a new file drops the oldest ones (with every value in them) until it fits, each drop logged and counted.
+- A filesystem that refuses writes (full, failing) is an episode (writing.py), told once; `writing()` says why.
 - Reads look a key up in memory and preadv straight into the caller's buffers, a few at once; the value's checksum
   is verified there, and a mismatch (a corrupted or truncated file) is a miss, counted, and the key forgotten.
 - Prefetch: a lookup that finds values on disk alone hands their extents (adjacent values as one range) to the
@@ -17,8 +18,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import dataclasses
 import errno
 import logging
 import mmap
@@ -26,34 +26,29 @@ import os
 import re
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from kvsidecar.tiers.files import (
     ALIGN,
+    BufferPool,
     Segment,
     accepts_direct,
+    copy_in,
     default_file_size,
-    open_for_reads,
+    read_value,
     round_up,
     skip,
-    views,
+    will_need,
 )
-from kvsidecar.tiers.records import (
-    DELETE,
-    MAX_KEY_BYTES,
-    PUT,
-    Record,
-    encode,
-    value_checksum,
-)
+from kvsidecar.tiers.records import DELETE, MAX_KEY_BYTES, PUT, Record, encode
 from kvsidecar.tiers.recovery import Entry, rebuild
 from kvsidecar.tiers.results import DiskStats, ReadResult, Recovery
+from kvsidecar.tiers.segments import SegmentFiles, close_if_dead
+from kvsidecar.tiers.writing import Writing
 
 __all__ = ["DiskEngine"]
 
@@ -93,26 +88,23 @@ class DiskEngine:
         self.file_size = round_up(file_size or default_file_size(capacity))
         if self.file_size < ALIGN or capacity < self.file_size:
             raise ValueError(f"capacity {capacity} must hold at least one file of {self.file_size} bytes")
-        self.max_files = max(2, capacity // self.file_size)
+        self.capacity = capacity
         self.queue_bytes = queue_bytes
         self.direct = accepts_direct(self.directory) if direct is None else direct
         self.stats = DiskStats()
+        self._writing_state = Writing(str(self.directory))
+        self._skip_reason = "no_space"  # why values are skipped during a write episode
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._index: dict[str, Entry] = {}
-        self._segments: OrderedDict[int, Segment] = OrderedDict()
-        self._current: Segment | None = None
         self._queue: deque[_Pending] = deque()
         self._pending: Counter[str] = Counter()  # queued puts per key
         self._removed_at: dict[str, int] = {}  # key -> sequence number of its last removal, while puts are queued
         self._seq = 0
         self._writing = False
         self._closing = False
-        self._free: dict[int, list[mmap.mmap]] = {}  # copy buffers to reuse, by size (KV values are few sizes)
-        self._free_bytes = 0
+        self._pool = BufferPool(queue_bytes)  # copy buffers to reuse
         self.recovery = self._recover()
-        self._next = max(self._segments, default=0) + 1
-        self._dirfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         self._readers = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="kvsidecar-disk-read")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvsidecar-disk-prefetch")
         self._writer = threading.Thread(target=self._run, name="kvsidecar-disk-writer", daemon=True)
@@ -131,7 +123,7 @@ class DiskEngine:
             extents = []
             for key in keys:
                 entry = self._index.get(key)
-                seg = self._segments.get(entry.file) if entry is not None else None
+                seg = self._files.segments.get(entry.file) if entry is not None else None
                 if entry is not None and seg is not None and seg.rfd >= 0:
                     seg.readers += 1  # its descriptor stays open until the hint is given
                     extents.append((seg, entry.offset, entry.length))
@@ -151,7 +143,7 @@ class DiskEngine:
         with self._lock:
             for seg, _, _ in extents:
                 seg.readers -= 1
-                self._close_if_dead(seg)
+                close_if_dead(seg)
 
     def enqueue(self, key: str, addresses: Sequence[int], sizes: Sequence[int]) -> bool:
         """Copy a value (its buffers, in order) for writing behind; False when skipped (queue full), counted."""
@@ -167,15 +159,8 @@ class DiskEngine:
                 return False
             self.stats.queued_bytes += total  # reserved before the copy, outside the lock
             self._pending[key] += 1
-            data = self._buffer(round_up(max(total, 1)))
-        # The copy is written out as it is (no staging copy); its checksum is taken while it is in the cache.
-        base = ctypes.addressof(ctypes.c_char.from_buffer(data))
-        offset = 0
-        for address, size in zip(addresses, sizes, strict=True):
-            ctypes.memmove(base + offset, address, size)
-            offset += size
-        with memoryview(data) as whole, whole[:total] as value:
-            checksum = xxhash.xxh3_64_intdigest(value)
+            data = self._pool.take(round_up(max(total, 1)))
+        checksum = copy_in(data, addresses, sizes)  # written out as it is (no staging copy)
         with self._wake:
             self._seq += 1
             self._queue.append(_Pending(self._seq, key, data, total, checksum))
@@ -195,7 +180,7 @@ class DiskEngine:
         with self._lock:
             for key in keys:
                 entry = self._index.get(key)
-                seg = self._segments.get(entry.file) if entry is not None else None
+                seg = self._files.segments.get(entry.file) if entry is not None else None
                 if entry is None or seg is None:
                     jobs.append(None)
                     continue
@@ -211,7 +196,7 @@ class DiskEngine:
                 for job in jobs:
                     if job is not None:
                         job[1].readers -= 1
-                        self._close_if_dead(job[1])
+                        close_if_dead(job[1])
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Forget each key (and any queued write of it), durably; whether it was on disk or queued."""
@@ -236,19 +221,14 @@ class DiskEngine:
     def snapshot(self) -> DiskStats:
         """A copy of the stats."""
         with self._lock:
-            s = self.stats
-            return DiskStats(
-                len(self._index),
-                s.bytes,
-                len(self._segments),
-                s.queued_bytes,
-                s.written_blocks,
-                s.written_bytes,
-                s.evicted_blocks,
-                s.corrupt_reads,
-                s.read_errors,
-                Counter(s.skipped),
-            )
+            stats = self.stats
+            files = len(self._files.segments)
+            return dataclasses.replace(stats, blocks=len(self._index), files=files, skipped=Counter(stats.skipped))
+
+    def writing(self) -> str:
+        """ "" while the tier writes; else why it does not, since when (a full filesystem, a failing disk)."""
+        with self._lock:
+            return self._writing_state.problem()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is written (or skipped); False on timeout."""
@@ -266,14 +246,9 @@ class DiskEngine:
         self._readers.shutdown(wait=True)
         self._prefetcher.shutdown(wait=True)
         with self._lock:
-            for seg in self._segments.values():
-                self._close_writer(seg)
-                seg.dead = True
-                self._close_if_dead(seg)
-            self._segments.clear()
+            self._files.close()
             self._index.clear()
-        os.close(self._dirfd)
-        self._free.clear()
+        self._pool.clear()
 
     # Under the lock.
 
@@ -281,7 +256,7 @@ class DiskEngine:
         entry = self._index.pop(key, None)
         if entry is not None:
             self.stats.bytes -= entry.length
-            seg = self._segments.get(entry.file)
+            seg = self._files.segments.get(entry.file)
             if seg is not None:
                 seg.keys.discard(key)
         queued = self._pending[key] > 0
@@ -293,38 +268,33 @@ class DiskEngine:
         self._queue.append(_Pending(self._seq, key, None))
         return True
 
-    def _close_if_dead(self, seg: Segment) -> None:
-        if seg.dead and seg.readers == 0 and seg.rfd >= 0:
-            os.close(seg.rfd)
-            seg.rfd = -1
-
-    def _evict_oldest(self) -> bool:
-        if not self._segments:
+    def _evict_oldest(self, why: str) -> bool:
+        """Drop the oldest file with every value in it (logged, counted); False when there is none."""
+        seg = self._files.pop_oldest()
+        if seg is None:
             return False
-        number, seg = self._segments.popitem(last=False)
+        blocks = nbytes = 0
         for key in seg.keys:
             entry = self._index.get(key)
-            if entry is not None and entry.file == number:
+            if entry is not None and entry.file == seg.number:
                 del self._index[key]
                 self.stats.bytes -= entry.length
-                self.stats.evicted_blocks += 1
+                blocks += 1
+                nbytes += entry.length
         seg.keys.clear()
-        if seg is self._current:
-            self._current = None
-        self._close_writer(seg)
-        seg.dead = True
-        self._close_if_dead(seg)
-        for suffix in (".seg", ".idx"):
-            (self.directory / f"{number:08d}{suffix}").unlink(missing_ok=True)
+        self.stats.evicted_blocks += blocks
+        self.stats.evicted_bytes += nbytes
+        log.info(
+            "disk tier %s: dropped file %08d (%d blocks, %.1f MiB) %s; %.1f of %.1f MiB on disk now",
+            self.directory,
+            seg.number,
+            blocks,
+            nbytes / MiB,
+            why,
+            self._files.disk_bytes() / MiB,
+            self.capacity / MiB,
+        )
         return True
-
-    @staticmethod
-    def _close_writer(seg: Segment) -> None:
-        for name in ("wfd", "ifd"):
-            fd = getattr(seg, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(seg, name, -1)
 
     # The writer thread.
 
@@ -357,7 +327,7 @@ class DiskEngine:
     def _write(self, batch: list[_Pending]) -> None:
         run: list[tuple[_Pending, int]] = []  # (item, its offset in the run) of the next write
         pos = 0
-        seg = self._current
+        seg = self._files.current
         for item in batch:
             if item.data is None:
                 run.append((item, 0))
@@ -371,14 +341,16 @@ class DiskEngine:
             if seg is None or seg.used + pos + padded > self.file_size:
                 self._flush(seg, run, pos)
                 run, pos = [], 0
-                seg = self._current  # the flush may have started a file, or given one up
+                seg = self._files.current  # the flush may have started a file, or given one up
                 if seg is None or seg.used + padded > self.file_size:
-                    seg = self._roll()
-                if seg is None:
-                    with self._lock:
-                        self.stats.skipped["no_space"] += 1
-                        self._settle([item])
-                    continue
+                    rolled = self._roll()
+                    if isinstance(rolled, str):
+                        with self._lock:
+                            self.stats.skipped[rolled] += 1
+                            self._settle([item])
+                        seg = None
+                        continue
+                    seg = rolled
             run.append((item, pos))
             pos += padded
         self._flush(seg, run, pos)
@@ -389,11 +361,12 @@ class DiskEngine:
             return
         items = [item for item, _ in run]
         if seg is None:
-            seg = self._roll()  # removal records only, and no file yet
-            if seg is None:
+            rolled = self._roll()  # removal records only, and no file yet
+            if isinstance(rolled, str):
                 with self._lock:
                     self._settle(items)
                 return
+            seg = rolled
         base = seg.used
         records = [
             Record(DELETE, item.key, 0, 0, 0)
@@ -415,20 +388,20 @@ class DiskEngine:
             os.write(seg.ifd, b"".join(encode(r) for r in records))
             os.fdatasync(seg.ifd)
         except OSError as exc:
-            reason = "no_space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
-            log.warning("disk tier: cannot write file %s: %s; %d values skipped", seg.number, exc, len(records))
             with self._lock:
-                self.stats.skipped[reason] += sum(1 for item in items if item.data is not None)
+                values = sum(1 for item in items if item.data is not None)
+                self._failed(exc, f"cannot write file {seg.number:08d}", values)
+                self.stats.skipped[self._skip_reason] += values
                 self._settle(items)
-                self._current = None  # a file that failed a write takes no more
-                self._close_writer(seg)
+                if seg is self._files.current:  # a file that failed a write takes no more
+                    self._files.retire_current()
             return
         seg.used = base + pos
         with self._lock:
             for item, record in zip(items, records, strict=True):
                 if item.data is None or item.seq < self._removed_at.get(item.key, 0):
                     continue  # a removal, or a put removed while queued
-                if seg.number not in self._segments:
+                if seg.number not in self._files.segments:
                     continue  # evicted meanwhile
                 old = self._index.get(item.key)
                 if old is not None:
@@ -439,6 +412,7 @@ class DiskEngine:
                 self.stats.written_blocks += 1
                 self.stats.written_bytes += record.length
             self._settle(items)
+            self._writing_state.wrote()
 
     def _settle(self, items: list[_Pending]) -> None:
         """Done with these queued items, written or not (under the lock); their buffers go back to the pool."""
@@ -451,55 +425,37 @@ class DiskEngine:
             if self._pending[item.key] <= 0:
                 del self._pending[item.key]
                 self._removed_at.pop(item.key, None)
-            if self._free_bytes + len(item.data) <= self.queue_bytes:
-                self._free.setdefault(len(item.data), []).append(item.data)
-                self._free_bytes += len(item.data)
+            self._pool.give(item.data)
 
-    def _buffer(self, size: int) -> mmap.mmap:
-        """A page-aligned copy buffer of size bytes, reused when one is free (under the lock)."""
-        free = self._free.get(size)
-        if free:
-            self._free_bytes -= size
-            return free.pop()
-        return mmap.mmap(-1, size)
+    def _failed(self, exc: OSError, what: str, values: int) -> None:
+        """A write failed: its skip reason, and an episode of the write state (under the lock)."""
+        self._skip_reason = self._writing_state.failed(exc, what, values)
 
-    def _roll(self) -> Segment | None:
-        """Start a new preallocated file, dropping the oldest ones to make room; None if the disk refuses."""
+    def _roll(self) -> Segment | str:
+        """Start a new preallocated file, dropping the oldest ones until it fits; if none can be started, the reason
+        its value is skipped for (no_space, io_error)."""
         with self._lock:
-            if self._current is not None:
-                self._close_writer(self._current)
-                self._current = None
-            while len(self._segments) >= self.max_files:
-                self._evict_oldest()
-            number = self._next
-            self._next += 1
-        path = self.directory / f"{number:08d}.seg"
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
+            self._files.retire_current()
+            if not self._writing_state.may_try():
+                self._writing_state.missed(1)
+                return self._skip_reason
+            while self._files.over(self.file_size):
+                self._evict_oldest("to make room for a new file")
+            number = self._files.next_number()
         while True:
-            wfd = -1
             try:
-                wfd = os.open(path, flags, 0o600)
-                os.posix_fallocate(wfd, 0, self.file_size)
-                ifd = os.open(path.with_suffix(".idx"), os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_TRUNC, 0o600)
-                rfd = open_for_reads(path)
-                os.fsync(self._dirfd)
-                break
+                seg = self._files.create(number)
             except OSError as exc:
-                if wfd >= 0:
-                    os.close(wfd)
-                path.unlink(missing_ok=True)
-                path.with_suffix(".idx").unlink(missing_ok=True)
                 with self._lock:
                     # A full filesystem: give back the oldest file and try again while there is one to give.
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._evict_oldest():
+                    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    if full and self._evict_oldest("to make room: the filesystem is full"):
                         continue
-                log.warning("disk tier: cannot start file %s: %s", path, exc)
-                return None
-        seg = Segment(number, rfd, wfd=wfd, ifd=ifd)
-        with self._lock:
-            self._segments[number] = seg
-            self._current = seg
-        return seg
+                    self._failed(exc, f"cannot start file {number:08d}", 1)
+                    return self._skip_reason
+            with self._lock:
+                self._files.add(seg)
+            return seg
 
     # Reads, on the caller's thread or the read pool.
 
@@ -511,21 +467,14 @@ class DiskEngine:
         entry, seg = job
         if sum(sizes) != entry.length:
             return ReadResult.SIZE_MISMATCH
-        dest = views(addresses, sizes)
         try:
-            done = 0
-            while done < entry.length:
-                n = os.preadv(seg.rfd, skip(dest, done), entry.offset + done)
-                if n <= 0:
-                    break
-                done += n
+            if read_value(seg.rfd, entry.offset, entry.length, entry.checksum, addresses, sizes):
+                return ReadResult.OK
         except OSError as exc:
             log.warning("disk tier: cannot read %r from file %s: %s", key, seg.number, exc)
             with self._lock:
                 self.stats.read_errors += 1
             return ReadResult.IO_ERROR
-        if done == entry.length and value_checksum(dest) == entry.checksum:
-            return ReadResult.OK
         log.warning("disk tier: %r in file %s fails its checksum: a miss, forgotten", key, seg.number)
         with self._lock:
             self.stats.corrupt_reads += 1
@@ -540,22 +489,8 @@ class DiskEngine:
     def _recover(self) -> Recovery:
         began = time.monotonic()
         found = rebuild(self.directory)
-        self._index, self._segments, self.stats.bytes = found.index, found.segments, found.bytes
-        while len(self._segments) > self.max_files:  # a smaller --ssd-size than last time
-            self._evict_oldest()
-        return Recovery(len(self._index), self.stats.bytes, len(self._segments), found.cut, time.monotonic() - began)
-
-
-def will_need(extents: list[tuple[Segment, int, int]]) -> None:
-    """Hand (file, offset, length) extents to the kernel's readahead, adjacent ones as one range."""
-    extents = sorted(extents, key=lambda e: (e[0].number, e[1]))
-    i = 0
-    while i < len(extents):
-        seg, start, length = extents[i]
-        end = start + length
-        i += 1
-        while i < len(extents) and extents[i][0] is seg and extents[i][1] <= round_up(end):
-            end = max(end, extents[i][1] + extents[i][2])
-            i += 1
-        with contextlib.suppress(OSError):  # only a hint: the reads themselves report what fails
-            os.posix_fadvise(seg.rfd, start, end - start, os.POSIX_FADV_WILLNEED)
+        self._index, self.stats.bytes = found.index, found.bytes
+        self._files = files = SegmentFiles(self.directory, self.file_size, self.capacity, self.direct, found.segments)
+        while files.over():  # a smaller --ssd-size than last time
+            self._evict_oldest("to fit --ssd-size")
+        return Recovery(len(self._index), self.stats.bytes, len(files.segments), found.cut, time.monotonic() - began)

@@ -73,6 +73,7 @@ class DiskTierNode:
             "O_DIRECT" if self.engine.direct else "buffered",
             self.engine.file_size // MiB,
         )
+        _warn_if_larger_than_filesystem(self.directory, config.size)
         metrics.disk_recovered_blocks.inc(r.blocks)
         metrics.disk_recovered_bytes.inc(r.bytes)
         metrics.tier_capacity_bytes.labels(DISK).set(config.size)
@@ -106,6 +107,9 @@ class DiskTierNode:
         m, seen = self.metrics, self._seen
         m.disk_written_bytes.inc(now.written_bytes - seen.written_bytes)
         m.disk_corrupt_reads.inc(now.corrupt_reads - seen.corrupt_reads)
+        m.disk_evicted_blocks.inc(now.evicted_blocks - seen.evicted_blocks)
+        m.disk_evicted_bytes.inc(now.evicted_bytes - seen.evicted_bytes)
+        m.disk_writing.set(0 if self.engine.writing() else 1)
         for reason, count in (now.skipped - seen.skipped).items():
             m.disk_skipped_writes.labels(reason).inc(count)
         m.disk_queued_bytes.set(now.queued_bytes)
@@ -139,3 +143,21 @@ class DiskTierNode:
         if held is not None:
             self.metrics.tier_blocks.labels(MEMORY).set(held[0])
             self.metrics.tier_bytes.labels(MEMORY).set(held[1])
+
+
+def _warn_if_larger_than_filesystem(directory: str, size: int) -> None:
+    """A tier the filesystem cannot hold stops writing once the filesystem is full: said at start, not found then."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    if size > total:
+        log.warning(
+            "disk tier %s: --ssd-size %.0f MiB is larger than its filesystem (%.0f MiB in all, %.0f MiB free): the "
+            "tier stops writing when the filesystem is full",
+            directory,
+            size / MiB,
+            total / MiB,
+            free / MiB,
+        )

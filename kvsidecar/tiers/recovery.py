@@ -3,7 +3,8 @@
 Each segment's index file is replayed in order (a later record of a key replaces or removes an earlier one); a torn
 or corrupted tail is cut, and the cut made durable; a value past the end of a truncated segment file is dropped
 (those before the cut are kept); a segment left with no value is removed with its index; every kept segment is
-opened for reads.
+opened for reads, knowing where its values end (its records', removed ones included: their bytes are still there)
+and what it takes on disk.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from kvsidecar.tiers.files import Segment, open_for_reads
+from kvsidecar.tiers.files import Segment, open_for_reads, round_up
 from kvsidecar.tiers.records import PUT, decode_raw, segment_numbers
 
 __all__ = ["Entry", "Rebuilt", "rebuild"]
@@ -69,8 +70,9 @@ def rebuild(directory: Path) -> Rebuilt:
             with open(idx, "r+b") as f:
                 f.truncate(good)
                 os.fsync(f.fileno())
-        seg = found.segments[number] = Segment(number, -1)
+        seg = found.segments[number] = Segment(number, -1, size=size)
         index, keys = found.index, seg.keys
+        end = 0
         for kind, key, offset, length, checksum in records:
             if key in index:
                 found.drop(key)
@@ -78,6 +80,8 @@ def rebuild(directory: Path) -> Rebuilt:
                 index[key] = tuple.__new__(Entry, (number, offset, length, checksum))
                 found.bytes += length
                 keys.add(key)
+                end = max(end, offset + length)
+        seg.used = round_up(end)
     for number, seg in list(found.segments.items()):
         if not seg.keys:
             del found.segments[number]

@@ -41,6 +41,7 @@ class DiskStats:
     written_blocks: int = 0
     written_bytes: int = 0
     evicted_blocks: int = 0
+    evicted_bytes: int = 0
     corrupt_reads: int = 0
     read_errors: int = 0
     skipped: Counter[str] = field(default_factory=Counter)  # values not written, by reason

@@ -190,9 +190,10 @@ class TieredStore:
         return max(removed, self.disk.remove_prefix(prefix, rest))
 
     def health(self) -> StoreHealth:
-        """DRAM's health, with the disk tier's recovery note."""
+        """DRAM's health, with the disk tier's recovery note and, while it does not write, why."""
         health = self.dram.health()
-        return health._replace(detail=f"{health.detail}; {self._health_note}") if self._health_note else health
+        notes = [note for note in (self._health_note, self.disk.writing()) if note]
+        return health._replace(detail="; ".join([health.detail, *notes])) if notes else health
 
     def close(self) -> None:
         """Close DRAM, then write out the disk queue and close the disk engine."""

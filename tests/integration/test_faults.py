@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -96,6 +98,38 @@ def test_a_hit_is_protected_by_its_lease_until_the_load(own_master, tmp_path, co
         assert [(f.block_id, f.reason) for f in late.failures] == [(2, "not_found")]
         assert rank.block(0, 2) == bytes(4096)
     finally:
+        rank.close()
+        assert daemon.stop() == 0
+
+
+def test_a_load_outlasts_a_master_paused_past_its_rpc_timeout(own_master, tmp_path):
+    """A busy master (here a paused one) answers a load's reads after the client's RPC timeout: the load tries again
+    within its deadline, and the blocks its lookup promised are served, not recomputed."""
+    rpc_timeout = {"MC_RPC_TIMEOUT_MS": "1000"}  # the daemon's 5 s, shortened: the pause only has to outlast it
+    daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address, env=rpc_timeout).start()
+    rank = RawRank(daemon.target, open_request([group("full_attention", 16)], model="org/Paused"), 8, 4096)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        rank.register()
+        for b in range(4):
+            rank.fill_block(0, b, bytes([b + 1]) * 4096)
+        h = hashes(4, 7)
+        assert rank.save(h, [[0, 1, 2, 3]], 64).written == 4
+        hit = rank.lookup(h, 65)
+        assert hit.hit_tokens == 64
+        retries = lambda: daemon.metric_samples("kvsidecar_store_retries_total", "reason").get("rpc_timeout", 0)  # noqa: E731
+        os.kill(own_master.pid, signal.SIGSTOP)
+        try:
+            loading = pool.submit(rank.load, h, [[4, 5, 6, 7]], hit)
+            # The first read timed out and the load is in its retry window: the master comes back.
+            wait_until(lambda: retries() >= 4 or loading.done(), timeout=60, what="a retry", detail=daemon.log)
+        finally:
+            os.kill(own_master.pid, signal.SIGCONT)
+        loaded = loading.result(timeout=60)
+        assert not loaded.failures and loaded.loaded == 4, daemon.log()[-3000:]
+        assert [rank.block(0, b) for b in (4, 5, 6, 7)] == [bytes([b + 1]) * 4096 for b in range(4)]
+    finally:
+        pool.shutdown()
         rank.close()
         assert daemon.stop() == 0
 

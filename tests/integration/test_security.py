@@ -117,12 +117,9 @@ def test_health_over_tls_needs_no_token_and_status_speaks_tls(tcp_daemon, pki, t
     ],
 )  # fmt: skip
 def test_tcp_never_runs_open(tmp_path, flags, reason):
-    out = subprocess.run(
-        [sys.executable, "-m", "kvsidecar", "serve", "--socket", str(tmp_path / "s.sock"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # A free metrics port: a daemon of the machine's own may hold the default one (9469).
+    serve = ["serve", "--socket", str(tmp_path / "s.sock"), "--metrics-address", "127.0.0.1:0", *flags]
+    out = subprocess.run([sys.executable, "-m", "kvsidecar", *serve], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert reason in out.stderr
 

@@ -12,13 +12,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.daemon.master import EmbeddedMaster
+from kvsidecar.rpc.servers import DISK_TIER_HEALTH
+from kvsidecar.testing.waiting import wait_until
 from kvsidecar.tiers.records import decode, indexed_keys, segment_numbers
 from support import ssd_rank
 from support.processes import DaemonProcess, free_port
+from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
 
@@ -28,6 +33,7 @@ TP = 2
 PROMPTS = 4 * SEGMENT // (TP * 2 * ssd_rank.BLOCKS_PER_PROMPT * ssd_rank.BLOCK)
 BLOCKS = TP * PROMPTS * 2 * ssd_rank.BLOCKS_PER_PROMPT  # values saved in all
 CORRUPTED = 4  # values overwritten on disk by the corruption test
+STARTS = 9  # one more than a 256 MiB tier used to keep files of 32 MiB
 TESTS = Path(__file__).resolve().parents[1]
 
 
@@ -150,24 +156,22 @@ def test_four_times_dram_then_restarts_keep_every_block(tmp_path):
         assert daemon.stop() == 0, daemon.log()
     assert len(indexed_keys(ssd)) == BLOCKS
 
-    for stop in ("SIGTERM", "SIGKILL"):
-        daemon = ssd_daemon(tmp_path, ssd)
-        log = start(daemon)
-        try:
-            assert f"recovered {BLOCKS} of {BLOCKS} blocks on disk" in log, log[-3000:]
-            assert f"recovered {BLOCKS} of {BLOCKS} blocks" in status(daemon)
-            # Every prompt comes back, all of it from disk: DRAM starts empty.
-            assert_exact(run_ranks(daemon, "verify"), at_least=TP * PROMPTS)
-            m = metric_samples(daemon)
-            assert m[("kvsidecar_disk_tier_recovered_blocks_total", ())] == BLOCKS
-            assert m[("kvsidecar_disk_tier_recovered_bytes_total", ())] == 4 * SEGMENT
-            assert m.get(("kvsidecar_tier_hits_total", (("tier", "memory"),)), 0) == 0  # all from disk
-        finally:
-            if stop == "SIGTERM":
-                assert daemon.stop() == 0, daemon.log()
-            else:
-                daemon.kill()
-        assert len(indexed_keys(ssd)) == BLOCKS  # reading never lost a block
+    # One restart after the clean stop, ended by kill -9: reading never loses a block. (Restarts after kill -9 are
+    # test_restarts_that_each_save_a_little_keep_the_first_prompt's and test_killed_mid_save_...'s.)
+    daemon = ssd_daemon(tmp_path, ssd)
+    log = start(daemon)
+    try:
+        assert f"recovered {BLOCKS} of {BLOCKS} blocks on disk" in log, log[-3000:]
+        assert f"recovered {BLOCKS} of {BLOCKS} blocks" in status(daemon)
+        # Every prompt comes back, all of it from disk: DRAM starts empty.
+        assert_exact(run_ranks(daemon, "verify"), at_least=TP * PROMPTS)
+        m = metric_samples(daemon)
+        assert m[("kvsidecar_disk_tier_recovered_blocks_total", ())] == BLOCKS
+        assert m[("kvsidecar_disk_tier_recovered_bytes_total", ())] == 4 * SEGMENT
+        assert m.get(("kvsidecar_tier_hits_total", (("tier", "memory"),)), 0) == 0  # all from disk
+    finally:
+        daemon.kill()
+    assert len(indexed_keys(ssd)) == BLOCKS
 
 
 def test_killed_mid_save_serves_what_was_written_and_nothing_wrong(tmp_path):
@@ -237,7 +241,44 @@ def test_a_corrupted_file_costs_only_its_own_values_as_counted_misses(tmp_path):
         assert daemon.stop() == 0, daemon.log()
 
 
-def test_a_full_disk_skips_writes_counts_them_and_serves_nothing_wrong(tmp_path):
+def test_restarts_that_each_save_a_little_keep_the_first_prompt(tmp_path):
+    """A crash-looping daemon (kill -9 after each start) saving one small prompt each time: the tier keeps them all,
+    in one file, however many starts (with files of 32 MiB it used to keep 8, one per start, and drop the first)."""
+    ssd = tmp_path / "ssd"
+    block = 64 << 10
+    request = open_request([group("full_attention", 16)], model="org/CrashLoop")
+    for i in range(STARTS):
+        daemon = ssd_daemon(tmp_path, ssd)
+        log = start(daemon)
+        rank = RawRank(daemon.target, request, num_blocks=1, block_bytes=block)
+        try:
+            assert f"recovered {i} of {i} blocks on disk" in log, log[-3000:]
+            rank.register()
+            rank.fill_block(0, 0, ssd_rank.pattern(f"start{i}")[:block])
+            assert rank.save([_prompt(i)], [[0]], 16).written == 1
+            wait_until(lambda i=i: len(indexed_keys(ssd)) == i + 1, timeout=60, what="written to disk")
+            if i < STARTS - 1:
+                continue
+            # The last start finds the first prompt on disk (DRAM holds only this start's), and one file holds all.
+            assert f"({0.0625 * i:.1f} MiB in 1 files" in log, log[-3000:]
+            hit = rank.lookup([_prompt(0)], 17)
+            assert hit.hit_tokens == 16
+            assert not rank.load([_prompt(0)], [[0]], hit).failures
+            assert rank.block(0, 0) == ssd_rank.pattern("start0")[:block]
+            assert "dropped file" not in daemon.log()
+        finally:
+            rank.close()
+            if i < STARTS - 1:
+                daemon.kill()
+            else:
+                assert daemon.stop() == 0, daemon.log()
+
+
+def _prompt(i: int) -> bytes:
+    return (1000 + i).to_bytes(32, "big")
+
+
+def test_a_full_disk_skips_writes_counts_them_says_so_once_and_writes_again_when_it_has_room(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs")
     ssd = tmp_path / "ssd"
@@ -245,20 +286,52 @@ def test_a_full_disk_skips_writes_counts_them_and_serves_nothing_wrong(tmp_path)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(ssd)], check=True)
     try:
         # 2 MiB of filesystem under a 256 MiB tier: no 32 MiB file can be allocated, every write fails ENOSPC.
-        daemon = ssd_daemon(tmp_path, ssd).start()
+        daemon = ssd_daemon(tmp_path, ssd)
+        log = start(daemon)
         try:
+            assert f"disk tier {ssd}: --ssd-size 256 MiB is larger than its filesystem (2 MiB in all" in log, log
             run_ranks(daemon, "save")
             key = ("kvsidecar_disk_tier_skipped_writes_total", (("reason", "no_space"),))
             m = eventually_metric(daemon, key, BLOCKS)
             assert m[key] >= BLOCKS, m
             assert m[("kvsidecar_tier_blocks", (("tier", "disk"),))] == 0
+            assert m[("kvsidecar_disk_tier_writing", ())] == 0
+            # Said once, not once per value; status and the disk tier's health say it too, and why.
+            assert daemon.log().count("not writing: the filesystem is full (No space left on device)") == 1
+            said = status(daemon)
+            assert "disk tier NOT WRITING for " in said and "the filesystem is full (No space left on device)" in said
+            assert disk_health(daemon) == health_pb2.HealthCheckResponse.NOT_SERVING
             # DRAM still serves what it holds (a quarter at most); the rest are misses, nothing wrong.
             exact = assert_exact(run_ranks(daemon, "verify"), at_least=0)
             assert exact < TP * PROMPTS
+            # Room again: the next save is written, said in one line.
+            subprocess.run(["mount", "-o", "remount,size=64m", str(ssd)], check=True)
+            rank = RawRank(daemon.target, open_request([group("full_attention", 16)], model="org/Room"), 1, 4096)
+            try:
+                rank.register()
+                saves = iter(range(1000))
+
+                def written_again() -> bool:
+                    rank.save([_prompt(next(saves))], [[0]], 16)
+                    return "writing again after" in daemon.log()
+
+                wait_until(written_again, timeout=60, what="the disk tier writing again", detail=daemon.log)
+            finally:
+                rank.close()
+            serving = health_pb2.HealthCheckResponse.SERVING
+            wait_until(lambda: disk_health(daemon) == serving, timeout=30, what="the disk tier's health")
+            assert metric_samples(daemon)[("kvsidecar_disk_tier_writing", ())] == 1
         finally:
             assert daemon.stop() == 0, daemon.log()
     finally:
         subprocess.run(["umount", "-l", str(ssd)], check=False)
+
+
+def disk_health(daemon: DaemonProcess) -> int:
+    """What the health service says of the disk tier (NOT_SERVING while it does not write)."""
+    with grpc.insecure_channel(daemon.target) as channel:
+        request = health_pb2.HealthCheckRequest(service=DISK_TIER_HEALTH)
+        return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status)
 
 
 def test_external_master_restart_recovers_at_once(tmp_path):

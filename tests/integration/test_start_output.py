@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -55,10 +56,15 @@ def test_the_debug_log_says_what_mooncake_printed_and_that_it_is_expected(tmp_pa
 
 
 def test_a_setup_that_fails_still_shows_what_mooncake_said(tmp_path):
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), MC_STORE_CLIENT_SETUP_RETRIES="1")
-    nobody = f"127.0.0.1:{free_port()}"
-    out = subprocess.run([KVSIDECAR, "serve", "--master", nobody, "--metrics-address", "127.0.0.1:0"],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    # A master's port that accepts connections and never answers: the daemon's wait for it passes, and Mooncake's
+    # setup fails past its RPC timeout (1 s here).
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), MC_STORE_CLIENT_SETUP_RETRIES="1", MC_RPC_TIMEOUT_MS="1000")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        nobody = f"127.0.0.1:{silent.getsockname()[1]}"
+        flags = ["--master", nobody, "--metrics-address", "127.0.0.1:0", "--master-timeout", "1"]
+        out = subprocess.run([KVSIDECAR, "serve", *flags], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1, out.stderr
     assert re.search(r"^E\d{4} .*\] Failed to create client", out.stderr, re.MULTILINE), out.stderr  # Mooncake's own
     assert "Mooncake's client setup failed; it also printed: WARNING: Logging before InitGoogleLogging()" in out.stderr

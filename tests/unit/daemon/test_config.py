@@ -75,11 +75,25 @@ def test_bad_files(tmp_path, content, reason):
         (("--gpu", "on"), "gpu must be auto, off or cpu, got 'on'"),
         (("--gpu-staging-size", "1MiB"), "gpu-staging-size must be at least 16MiB"),
         (("--gpu-bounce-size", "8MiB"), "gpu-bounce-size must be at least 16MiB"),
+        (("--log-level", "verbose"), "log-level must be debug, info, warning or error, got 'verbose'"),
+        (("--log-level", "10"), "log-level must be debug, info, warning or error, got '10'"),
+        (("--socket", "k.sock"), "socket must be an absolute path, got 'k.sock'"),
+        (("--socket", "/tmp/" + "x" * 93 + ".sock"), r"too long: a Unix socket path holds at most 107 bytes"),
+        (("--master-timeout", "0"), "master-timeout must be > 0 seconds"),
+        # A daemon whose store holds nothing would say healthy and fail every save.
+        (("--segment-size", "0"), "segment-size 0 with the embedded master stores nothing"),
     ],
 )
 def test_bad_flags(argv, reason):
     with pytest.raises(ConfigError, match=reason):
         parse(*argv)
+
+
+def test_what_is_refused_alone_is_fine_where_it_can_do_something():
+    assert parse("--socket", "/tmp/" + "x" * 92 + ".sock").socket.endswith(".sock")  # its data socket: 107 bytes
+    assert parse("--segment-size", "0", "--master", "127.0.0.1:50051").segment_size == 0
+    assert parse("--log-level", "WARNING").log_level == "WARNING"
+    assert parse("--ssd-dir", "/nvme/kv", "--ssd-size", "1GiB").ssd_size == 1 << 30
 
 
 def test_missing_config_file(tmp_path):

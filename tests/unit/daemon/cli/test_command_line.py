@@ -38,6 +38,43 @@ def test_a_bad_value_says_what_the_value_looks_like_in_one_line():
         assert out.stderr == f"kvsidecar serve: error: {reason}; see kvsidecar serve --help\n"
 
 
+def test_a_flag_is_never_taken_for_another_it_begins_like():
+    out = kvsidecar("serve", "--segment", "2GiB", "--workers", "0")  # was taken as --segment-size 2GiB
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == "kvsidecar serve: error: unrecognized arguments: --segment 2GiB; see kvsidecar serve --help\n"
+
+
+def _serve_refusal(*flags: str) -> str:
+    """`serve` with flags at debug level: its whole output, which must be one line and no traceback."""
+    out = kvsidecar("serve", "--metrics-address", "127.0.0.1:0", "--log-level", "debug", *flags)
+    assert out.returncode != 0 and out.stdout == "", out
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    return out.stderr
+
+
+def test_what_cannot_be_served_is_refused_in_one_line_before_anything_starts(tmp_path):
+    """Nothing logged before the refusal, at debug level: no master, no Mooncake, no listener was started."""
+    # A logging level the daemon does not have.
+    assert "serve: error: log-level must be debug, info, warning or error, got 'verbose'" in _serve_refusal(
+        "--log-level", "verbose"
+    )
+    # A socket that cannot be bound, and one in a directory that does not exist, which is not created.
+    assert "cannot start: cannot serve on /proc/k.sock: cannot create /proc/k.sock.lock beside it" in _serve_refusal(
+        "--socket", "/proc/k.sock"
+    )
+    missing = tmp_path / "missing"
+    said = _serve_refusal("--socket", str(missing / "k.sock"))
+    assert f"cannot start: cannot serve on {missing}/k.sock: its directory {missing} does not exist" in said
+    assert not missing.exists()
+    # A metrics port another process listens on (a daemon of the node's own, say).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        said = _serve_refusal("--socket", str(tmp_path / "k.sock"), "--metrics-address", address)
+    assert said.endswith(f" ERROR kvsidecar: cannot start: cannot serve metrics on {address}: Address already in use\n")
+
+
 def test_serve_help_groups_its_options():
     out = kvsidecar("serve", "--help")
     assert out.returncode == 0, out.stderr

@@ -8,12 +8,14 @@ blocks hold bytes from the byte oracle (support.stateranks); a value is one bloc
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from kvsidecar.datapath.backoff import NoSpaceBackoff
+from kvsidecar.datapath.retries import RetryPolicy
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest
 from kvsidecar.metrics import Metrics
@@ -120,6 +122,49 @@ def test_blocks_failing_in_the_store_are_named_with_its_code_and_the_others_go_t
     assert load(dp, reader) == [Failure(0, 7, Reason.RPC_FAILED), Failure(0, 4, Reason.RPC_FAILED)]
     assert value(reader, 2) == value(writer, 3) and value(reader, 0) == value(writer, 5)
     assert value(reader, 7) == value(rank(store), 7)  # a failed read leaves the block as it was
+
+
+def test_a_load_tries_again_what_the_master_did_not_answer_in_time_within_its_deadline(caplog):
+    store = MemoryStore()
+    registry = CollectorRegistry()
+    quick = RetryPolicy(waits=(0.0, 0.0, 0.0), call_s=1.0)
+    dp = DataPath(store, Metrics(registry), retries=quick)
+    writer = filled(store)
+    save(dp, writer)
+    retried = {"operation": "get", "reason": "rpc_timeout"}
+    # Two tries of every value time out; the third brings them all, exactly.
+    store.fail_next(StoreCode.RPC_TIMEOUT, 8, ["get"])
+    reader = rank(store)
+    assert (
+        dp.load(reader.session, LoadArgs(HASHES, [READER_IDS], TOKENS, (TOKENS,)), time.monotonic() + 60).failures == ()
+    )
+    assert [value(reader, b) for b in READER_IDS] == [value(writer, b) for b in WRITER_IDS]
+    assert registry.get_sample_value("kvsidecar_store_retries_total", retried) == 8
+    # Tries run out: what is left is named with its cause, counted by cause, and logged once for the request.
+    store.fail_next(StoreCode.RPC_TIMEOUT, 100, ["get"])
+    with caplog.at_level(logging.WARNING, logger="kvsidecar"):
+        assert {f.reason for f in load(dp, rank(store))} == {Reason.RPC_TIMEOUT}
+    assert registry.get_sample_value("kvsidecar_store_retries_total", retried) == 8 + 3 * 4
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.endswith(": 4 of 4 blocks failed (rpc_timeout: 4); the engine recomputes them"), line
+    failed = {"group_kind": "full_attention", "reason": "rpc_timeout"}
+    assert registry.get_sample_value("kvsidecar_load_failed_blocks_total", failed) == 4
+    # A retry that could end past the client's deadline is not started: the engine may reuse its blocks by then.
+    store.fail_next(StoreCode.RPC_TIMEOUT, 4, ["get"])
+    soon = time.monotonic() + quick.call_s / 2
+    assert len(dp.load(rank(store).session, LoadArgs(HASHES, [READER_IDS], TOKENS, (TOKENS,)), soon).failures) == 4
+    # Only what may succeed on another try is tried again: not a value that is not there.
+    store.fail_next(StoreCode.NOT_FOUND, 1, ["get"])
+    assert [f.reason for f in load(dp, rank(store))] == [Reason.NOT_FOUND]
+    assert registry.get_sample_value("kvsidecar_store_retries_total", retried) == 8 + 3 * 4
+
+
+def test_a_retry_waits_as_told_and_never_past_the_deadline():
+    policy = RetryPolicy(waits=(0.1, 0.5), call_s=2.0)
+    assert policy.wait_before(0, None, 0.0) == 0.1
+    assert policy.wait_before(1, 10.0, 7.5) == 0.5  # ends at 10.0 at the latest
+    assert policy.wait_before(1, 10.0, 7.6) is None
+    assert policy.wait_before(2, None, 0.0) is None  # every retry used
 
 
 def test_a_tenant_past_its_write_budget_writes_what_fits_in_prompt_order():

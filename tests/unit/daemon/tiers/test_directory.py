@@ -50,7 +50,12 @@ def test_flags():
     with pytest.raises(ConfigError, match="at least 64MiB"):
         build({"ssd_dir": "/nvme/kv", "ssd_size": MiB})
     with pytest.raises(ConfigError, match="needs a segment"):
-        build({"ssd_dir": "/nvme/kv", "segment_size": 0})
+        build({"ssd_dir": "/nvme/kv", "segment_size": 0, "master": "127.0.0.1:5000"})
+    # Disk-tier settings without the disk tier would do nothing: refused, not ignored.
+    with pytest.raises(ConfigError, match=r"^--ssd-size applies only with --ssd-dir"):
+        build({"ssd_size": 64 * MiB})
+    with pytest.raises(ConfigError, match=r"^--master-client-ttl, --ssd-buffer-size apply only with --ssd-dir"):
+        build({"ssd_buffer_size": 64 * MiB, "master_client_ttl": 5.0})
 
 
 def test_the_next_owner_knows_whether_a_killed_owner_used_the_same_external_master(tmp_path):

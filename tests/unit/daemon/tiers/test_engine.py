@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def test_values_written_behind_read_back_exactly_and_survive_a_restart(tmp_path,
         assert engine.recovery.cut_tails == 0
         for i in range(20):
             assert get(engine, f"k{i}", parts=4) == (ReadResult.OK, pattern(f"v{i}"))
-        # New writes go to a new file, next to the recovered ones.
+        # New writes go on in the newest recovered file: a restart costs no room.
         assert put(engine, "after", pattern("after"))
         assert engine.flush(60)
         assert get(engine, "after") == (ReadResult.OK, pattern("after"))
@@ -207,18 +208,28 @@ def test_a_truncated_segment_keeps_the_values_before_the_cut(tmp_path):
         engine.close()
 
 
-def test_the_oldest_file_goes_first_when_the_tier_is_full(tmp_path, direct):
-    # 4 files of 1 MiB: 4 values each; 40 values written, the last 16 at most fit.
+def on_disk(directory: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in directory.glob("*.seg"))
+
+
+def test_the_oldest_file_goes_first_when_the_tier_is_full(tmp_path, direct, caplog):
+    # 4 MiB, in files of 1 MiB: 4 values each; 40 values written, the last 12-16 fit.
     engine = open_engine(tmp_path, direct, capacity=4 * MiB, file_size=1 * MiB)
     try:
-        for i in range(40):
-            assert put(engine, f"k{i}", pattern(f"v{i}"))
-            engine.flush(60)
+        with caplog.at_level(logging.INFO, logger="kvsidecar.tiers.engine"):
+            for i in range(40):
+                assert put(engine, f"k{i}", pattern(f"v{i}"))
+                engine.flush(60)
+                assert on_disk(tmp_path) <= 4 * MiB  # the capacity counts bytes on disk
         present = engine.contains([f"k{i}" for i in range(40)])
         assert present[:24] == [False] * 24 and present[-12:] == [True] * 12
         assert len(list(tmp_path.glob("*.seg"))) <= 4
         stats = engine.snapshot()
-        assert stats.files <= 4 and stats.evicted_blocks >= 24
+        assert stats.files <= 4 and stats.evicted_blocks >= 24 and stats.evicted_bytes == stats.evicted_blocks * VALUE
+        # Every drop is told, with what it cost.
+        drops = [r.getMessage() for r in caplog.records if "dropped file" in r.getMessage()]
+        assert len(drops) == stats.evicted_blocks // 4, drops
+        assert "dropped file 00000001 (4 blocks, 1.0 MiB) to make room for a new file; 3.0 of 4.0 MiB" in drops[0]
         for i in range(40):
             if present[i]:
                 assert get(engine, f"k{i}") == (ReadResult.OK, pattern(f"v{i}"))
@@ -227,6 +238,26 @@ def test_the_oldest_file_goes_first_when_the_tier_is_full(tmp_path, direct):
     engine = open_engine(tmp_path, direct, capacity=4 * MiB, file_size=1 * MiB)
     try:
         assert engine.contains([f"k{i}" for i in range(40)]) == present
+    finally:
+        engine.close()
+
+
+def test_restarts_go_on_in_the_newest_file_and_keep_the_first_values(tmp_path, direct):
+    """A crash-looping daemon that saves a little at each start: the tier keeps it all (bytes, not files, count)."""
+    for i in range(12):  # as many starts as the tier has room for files of 2 MiB, and more
+        engine = open_engine(tmp_path, direct, capacity=16 * MiB, file_size=2 * MiB)
+        try:
+            assert engine.recovery.blocks == i
+            assert put(engine, f"k{i}", pattern(f"v{i}", 64 << 10))
+            assert engine.flush(60)
+        finally:
+            engine.close()
+    engine = open_engine(tmp_path, direct, capacity=16 * MiB, file_size=2 * MiB)
+    try:
+        assert engine.contains([f"k{i}" for i in range(12)]) == [True] * 12
+        assert get(engine, "k0", 64 << 10) == (ReadResult.OK, pattern("v0", 64 << 10))
+        assert engine.snapshot().evicted_blocks == 0
+        assert len(list(tmp_path.glob("*.seg"))) == 1
     finally:
         engine.close()
 
@@ -299,16 +330,33 @@ def test_a_full_filesystem_gives_back_old_files_then_keeps_writing(tmp_path):
             engine.close()
 
 
-def test_a_filesystem_with_no_room_skips_every_write_and_counts_it(tmp_path):
+def test_a_filesystem_with_no_room_skips_every_write_and_counts_it_and_says_so_once(tmp_path, caplog):
     with small_tmpfs(tmp_path / "fs", "2m") as fs:
         engine = open_engine(fs, None)
         try:
-            for i in range(3):
-                assert put(engine, f"k{i}", pattern(f"v{i}"))  # queued: the failure comes at write time
-            engine.flush(60)
-            assert engine.snapshot().skipped["no_space"] == 3
-            assert engine.contains(["k0", "k1", "k2"]) == [False] * 3
-            assert get(engine, "k0")[0] is ReadResult.MISSING
+            with caplog.at_level(logging.INFO, logger="kvsidecar"):
+                for i in range(3):
+                    assert put(engine, f"k{i}", pattern(f"v{i}"))  # queued: the failure comes at write time
+                    engine.flush(60)
+                assert engine.snapshot().skipped["no_space"] == 3
+                assert engine.contains(["k0", "k1", "k2"]) == [False] * 3
+                assert get(engine, "k0")[0] is ReadResult.MISSING
+                assert engine.writing().startswith("disk tier NOT WRITING for ")
+                assert "the filesystem is full (No space left on device) (3 values not written)" in engine.writing()
+                # Room again: the next write lands (a new file is tried once a second meanwhile).
+                subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)
+                deadline = time.monotonic() + 60
+                i = 3
+                while not engine.contains([f"k{i - 1}"])[0] and time.monotonic() < deadline:
+                    assert put(engine, f"k{i}", pattern(f"v{i}"))
+                    engine.flush(60)
+                    i += 1
+                assert engine.contains([f"k{i - 1}"]) == [True] and engine.writing() == ""
+            said = [r.getMessage() for r in caplog.records if r.name == "kvsidecar"]
+            assert len(said) == 2, said  # one line when it stops writing, one when it writes again
+            assert said[0].startswith(f"disk tier {fs}: not writing: the filesystem is full (No space left on device);")
+            assert said[1].startswith(f"disk tier {fs}: writing again after ")
+            assert said[1].endswith(f"; {i - 1} values were not written meanwhile")
         finally:
             engine.close()
 
