@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvsidecar.daemon.settings import ServiceSettings, TenancySettings
+from kvsidecar.datapath.retention import Retainer
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
@@ -18,6 +19,7 @@ from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
+from kvsidecar.tenancy.retention import RetentionLedger
 from kvsidecar.tenancy.shares import SessionShares, ShareLimits
 
 __all__ = ["build_data_path", "build_service", "build_sessions", "open_tenancy"]
@@ -27,7 +29,12 @@ def open_tenancy(settings: TenancySettings, metrics: Metrics) -> Tenancy:
     """The tenants table (single-tenant without a file) and its live grants; a tenants file that cannot be used
     stops the daemon with the reason."""
     try:
-        return Tenancy(metrics, settings.tenants, allow_shm_names=settings.allow_shm_names)
+        return Tenancy(
+            metrics,
+            settings.tenants,
+            allow_shm_names=settings.allow_shm_names,
+            retained_bytes=settings.retained_bytes,
+        )
     except ConfigError as exc:
         raise DaemonError(str(exc)) from None
 
@@ -59,7 +66,9 @@ def build_data_path(
     gpu: GpuRuntime,
     events: StoreEvents = NO_EVENTS,
 ) -> DataPath:
-    """Saves, lookups and loads against the store, within each tenant's write budget, telling events of writes."""
+    """Saves, lookups and loads against the store, within each tenant's write and retention budgets, telling events
+    of writes."""
+    ledger = RetentionLedger(tenancy.retention_budget, max_seconds=settings.max_retention_seconds)
     return DataPath(
         store,
         metrics,
@@ -67,6 +76,7 @@ def build_data_path(
         events=events,
         max_lookup_hashes=settings.max_lookup_hashes,
         gpu=_devices(gpu),
+        retention=Retainer(store, ledger, metrics, lambda s: tenancy.check_operator(s.caller, "a hard pin")),
     )
 
 

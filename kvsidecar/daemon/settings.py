@@ -7,6 +7,7 @@ say at a glance what it depends on and a test builds one without a Config.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvsidecar.config import Config
@@ -40,11 +41,13 @@ class SocketSettings:
 
 @dataclass(frozen=True)
 class TenancySettings:
-    """The tenants file ("": single-tenant) and what the node's local accounts may be trusted with."""
+    """The tenants file ("": single-tenant), what the node's local accounts may be trusted with, and the single
+    tenant's retention budget."""
 
     tenants: str
     allow_shm_names: bool
     trust_local_accounts: bool
+    retained_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class MasterSettings:
     binary: str
     lease_ttl_ms: int
     peer_networks: tuple[str, ...]
+    max_soft_pin_ms: int = 86_400_000  # the embedded master's --max_kv_soft_pin_ttl
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class ServiceSettings:
     session_ttl: float
     max_lookup_hashes: int
     max_message_bytes: int
+    max_retention_seconds: float = 86400.0
 
 
 @dataclass(frozen=True)
@@ -115,8 +120,19 @@ def settings_of(config: Config) -> Settings:
     c = config
     return Settings(
         socket=SocketSettings(c.socket, c.socket_mode, c.socket_group),
-        tenancy=TenancySettings(c.tenants, c.allow_shm_names, c.trust_local_accounts),
-        master=MasterSettings(c.master, c.master_binary, c.master_lease_ttl_ms, tuple(c.peer_network)),
+        tenancy=TenancySettings(
+            c.tenants,
+            c.allow_shm_names,
+            c.trust_local_accounts,
+            c.segment_size // 2 if c.retained_bytes < 0 else c.retained_bytes,
+        ),
+        master=MasterSettings(
+            c.master,
+            c.master_binary,
+            c.master_lease_ttl_ms,
+            tuple(c.peer_network),
+            math.ceil(c.max_retention_seconds * 1000),
+        ),
         store=StoreSettings(
             local_hostname=c.local_hostname,
             metadata_server=c.metadata_server,
@@ -143,7 +159,13 @@ def settings_of(config: Config) -> Settings:
             max_registered_bytes_per_account=c.max_registered_bytes_per_account,
         ),
         service=ServiceSettings(
-            c.workers, c.lookup_workers, c.lookups_per_account, c.session_ttl, c.max_lookup_hashes, c.max_message_bytes
+            c.workers,
+            c.lookup_workers,
+            c.lookups_per_account,
+            c.session_ttl,
+            c.max_lookup_hashes,
+            c.max_message_bytes,
+            c.max_retention_seconds,
         ),
         servers=ServerSettings(
             socket=c.socket,

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
+from kvsidecar.datapath.retention import Retainer, RetentionPlan
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.gpu import transfers as device
@@ -26,7 +27,8 @@ from kvsidecar.reasons import Reason
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
-from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, SaveArgs, SaveOutcome
+from kvsidecar.tenancy.retention import RetentionLedger
+from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, RetentionArgs, SaveArgs, SaveOutcome
 from kvsidecar_contract.limits import MAX_HASHES
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
@@ -60,10 +62,12 @@ class DataPath:
         events: StoreEvents = NO_EVENTS,
         max_lookup_hashes: int = MAX_HASHES,
         gpu: GpuRuntime | None = None,
+        retention: Retainer | None = None,
     ) -> None:
         """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
         for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes); gpu moves the memory of
-        sessions whose KV cache is on a GPU (its staging areas and page-locked segment)."""
+        sessions whose KV cache is on a GPU (its staging areas and page-locked segment); retention keeps what
+        requests ask ahead of ordinary cache (by default nothing: no tenant has a budget)."""
         self.store = store
         self.gpu = gpu
         self.max_lookup_hashes = max_lookup_hashes
@@ -71,6 +75,7 @@ class DataPath:
         self.backoff = backoff or NoSpaceBackoff()
         self._budget_of = budget_of
         self.events = events
+        self.retention = retention or Retainer(store, RetentionLedger(lambda tenant: 0, max_seconds=1.0), metrics)
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -96,6 +101,8 @@ class DataPath:
         plans: list[tuple[int, SavePlan]] = []
         for i, r in enumerate(requests):
             try:
+                if r.retention is not None and r.retention.hard:
+                    self.retention.check_hard(session)
                 plan = save_plan(session.geometry, r.hashes, r.block_ids, r.num_tokens, r.saved)
             except Exception as exc:
                 out[i] = exc
@@ -114,7 +121,12 @@ class DataPath:
                         out[i] = exc
                 chunks = [c for _, plan, _ in staged for c in plan.chunks]
                 buffers = [b for _, _, bufs in staged for b in bufs]
-                results = self._put_missing(session, memory, chunks, buffers, deadline) if chunks else []
+                wants = [requests[i].retention for i, plan, _ in staged for _ in plan.chunks]
+                results, kept = (
+                    self._put_missing(session, memory, chunks, buffers, deadline, wants)
+                    if chunks
+                    else ([], RetentionPlan())
+                )
             start = 0
             for i, plan, _ in staged:
                 end = start + len(plan.chunks)
@@ -122,7 +134,9 @@ class DataPath:
                     out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
                 else:
                     mine = results[start:end]
-                    out[i] = save_outcome(self.metrics, session, memory, plan, mine)
+                    retained, unretained = kept.counts(start, end, lambda j: results[j] is Saved.WRITTEN)
+                    outcome = save_outcome(self.metrics, session, memory, plan, mine)
+                    out[i] = outcome._replace(retained=retained, unretained=unretained)
                     r = requests[i]
                     written = [c for c, result in zip(plan.chunks, mine, strict=True) if result is Saved.WRITTEN]
                     self.events.stored(session.tenant, session.geometry, r.hashes, written, r.tokens, r.tokens_start)
@@ -136,15 +150,18 @@ class DataPath:
         chunks: Sequence[Chunk],
         buffers: Sequence[Buffers],
         deadline: float | None,
-    ) -> list[ChunkResult] | StoreCode:
-        """Per chunk: PRESENT (already stored), WRITTEN, or why its write failed; a StoreCode if none was asked."""
+        wants: Sequence[RetentionArgs | None],
+    ) -> tuple[list[ChunkResult] | StoreCode, RetentionPlan]:
+        """Per chunk: PRESENT (already stored), WRITTEN, or why its write failed; a StoreCode if none was asked.
+        With the retention each chunk's request asked, and what became of it."""
         keys = [c.key for c in chunks]
         try:
             with self._timed("exists"):
                 presence = self.store.exists(keys)
         except StoreError as exc:
             self.metrics.store_errors.labels("exists", exc.code.value).inc()
-            return exc.code
+            return exc.code, RetentionPlan()
+        kept = self.retention.plan(session, memory, chunks, wants, presence)
         results: list[ChunkResult] = [Saved.PRESENT] * len(chunks)
         # A key twice in one batch (two requests of a step computing the same prefix) is written once, and its
         # repeat shares the outcome: the bytes behind one key are the same whichever block holds them.
@@ -175,9 +192,7 @@ class DataPath:
             try:
                 with self._timed("put"):
                     if memory.device is None:
-                        codes = self.store.put_from(
-                            [keys[j] for j in todo], [buffers[j][0] for j in todo], [buffers[j][1] for j in todo]
-                        )
+                        codes = self._put_pinned(keys, buffers, todo, kept)
                     else:
                         codes = device.put(
                             self.store,
@@ -199,7 +214,26 @@ class DataPath:
             results[j] = Saved.WRITTEN if code in (StoreCode.OK, StoreCode.EXISTS) else Reason.of(code)
         for j, f in repeats:
             results[j] = results[f]
-        return results
+        self.retention.settle(kept, lambda j: results[j] is Saved.WRITTEN, pinned_at_put=memory.device is None)
+        return results, kept
+
+    def _put_pinned(
+        self, keys: Sequence[str], buffers: Sequence[Buffers], todo: Sequence[int], kept: RetentionPlan
+    ) -> list[StoreCode]:
+        """todo's values from host memory, one put per pin they take (one put when none asked for retention)."""
+        pins = [kept.put_pin(j) for j in todo] if kept.verdicts else [None] * len(todo)
+        codes: list[StoreCode] = [StoreCode.OK] * len(todo)
+        for pin in dict.fromkeys(pins):
+            these = [n for n, p in enumerate(pins) if p == pin]
+            got = self.store.put_from(
+                [keys[todo[n]] for n in these],
+                [buffers[todo[n]][0] for n in these],
+                [buffers[todo[n]][1] for n in these],
+                pin=pin,
+            )
+            for n, code in zip(these, got, strict=True):
+                codes[n] = code
+        return codes
 
     def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
@@ -269,6 +303,12 @@ class DataPath:
             for c in nowhere:
                 if c.part == 0:  # one block, however many values per KV head it is cut into (rule 11)
                     self.metrics.load_failed_blocks.labels(kinds[c.group], Reason.NO_BLOCK.value).inc()
+            if r.retention is not None and r.retention.hard:
+                try:
+                    self.retention.check_hard(session)
+                except Exception as exc:
+                    out[i] = exc
+                    continue
             planned.append((i, [c for c in plan if c.block_id != NO_BLOCK], nowhere))
         with _holding(memory):
             staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
@@ -282,7 +322,12 @@ class DataPath:
         start = 0
         for i, reads, nowhere, _ in staged:
             end = start + len(reads)
-            out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
+            out[i] = outcome = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
+            want = requests[i].retention
+            if want is not None:
+                read = [c for c, code in zip(reads, codes[start:end], strict=True) if code is StoreCode.OK]
+                retained, unretained = self.retention.touch(session, memory, read, want)
+                out[i] = outcome._replace(retained=retained, unretained=unretained)
             start = end
         return _filled(out)
 
@@ -350,6 +395,7 @@ class DataPath:
         prefix = key_prefix(layout.model, layout.cache_prefix)
         with self._timed("remove"):
             removed = self.store.remove_prefix(prefix, KEY_TAIL_PATTERN)
+        self.retention.forget_prefix(prefix)
         self.events.cleared(session.tenant, prefix)
         return removed
 

@@ -4,7 +4,7 @@ double for unit tests, the one place that knows Mooncake's numbers (codes) and w
 Imports: errors; mooncake.
 """
 
-from kvsidecar.store.base import Presence, Store, StoreHealth, StoreUnavailable
+from kvsidecar.store.base import Pin, Presence, Store, StoreHealth, StoreUnavailable
 from kvsidecar.store.codes import StoreCode
 
-__all__ = ["Presence", "Store", "StoreCode", "StoreHealth", "StoreUnavailable"]
+__all__ = ["Pin", "Presence", "Store", "StoreCode", "StoreHealth", "StoreUnavailable"]
