@@ -24,6 +24,7 @@ PUBLIC = [
     "PreconditionFailed",
     "Registration",
     "ResourceExhausted",
+    "Retention",
     "SaveItem",
     "SaveJob",
     "SaveResult",
@@ -49,6 +50,7 @@ def test_every_public_name_is_exported_and_defined_in_the_package():
     # Submodules appear once imported (vllm among them: its pure plan module is tested without vLLM).
     modules = {
         "allocation", "batch", "client", "deadlines", "errors", "jobs", "layout", "memory", "probe", "proto", "results",
+            "retention",
         "saves", "session", "vllm",
     }  # fmt: skip
     assert public - modules == set(PUBLIC)
