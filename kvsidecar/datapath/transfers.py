@@ -332,18 +332,19 @@ class DataPath:
         return _filled(out)
 
     def _get(self, memory: SessionMemory, chunks: Sequence[Chunk], buffers: Sequence[Buffers]) -> list[StoreCode]:
-        """Each chunk's read into its buffers; a key read into two blocks (two requests of a step sharing a
-        prefix) is read again in a second batch, so that no batch names a key twice."""
+        """Each chunk's read into its buffers; a key read into n blocks (n requests of a step sharing a prefix) is
+        read in n batches, its k-th block in the k-th, so that no batch names a key twice: Mooncake fills only the
+        last of a key's places in one batch and reports every one read."""
         codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
-        seen: set[str] = set()
-        firsts: list[int] = []
-        repeats: list[int] = []
+        seen: dict[str, int] = {}
+        rounds: list[list[int]] = []
         for j, c in enumerate(chunks):
-            (repeats if c.key in seen else firsts).append(j)
-            seen.add(c.key)
-        for batch in (firsts, repeats):
-            if not batch:
-                continue
+            k = seen.get(c.key, 0)
+            seen[c.key] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(j)
+        for batch in rounds:
             try:
                 with self._timed("get"):
                     if memory.device is None:
