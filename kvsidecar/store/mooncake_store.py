@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from kvsidecar.errors import StoreError
 from kvsidecar.store.base import Pin, Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
 from kvsidecar.store.codes import SUCCESS, Health, StoreCode, from_mooncake, presence_from_mooncake
-from kvsidecar.store.pins import replicate_config, rewrite
+from kvsidecar.store.pins import Scratch, replicate_config, rewrite
 from kvsidecar.store.prefault import SegmentPrefault, locate_segment
 from kvsidecar.store.setup_output import quiet_setup
 
@@ -116,6 +116,7 @@ class MooncakeStore:
         self._settings = settings
         self._config_type = config_type
         self._replicate_config = replicate_config(config_type, settings.replica_num, None)
+        self._scratch = Scratch()  # where values are read to be written back with another pin
         self._lifetime = threading.Condition()
         self._in_flight = 0
         self._closed = False
@@ -283,7 +284,7 @@ class MooncakeStore:
             return []
         replace = hard_before or (pin is not None and pin.hard)
         config = self._config(pin, clear=not replace)
-        return rewrite(self._call, list(keys), list(sizes), config, replace=replace)
+        return rewrite(self._call, self._scratch, list(keys), list(sizes), config, replace=replace)
 
     def _config(self, pin: Pin | None, *, clear: bool = False) -> Any:
         return replicate_config(self._config_type, self._settings.replica_num, pin, clear=clear)
