@@ -65,6 +65,8 @@ class RetentionPlan:
     def counts(self, start: int, end: int, written: Callable[[int], bool]) -> tuple[int, int]:
         """(retained, unretained) among chunks [start, end): retained where it was stored or is being pinned."""
         retained = unretained = 0
+        if not self.verdicts:
+            return retained, unretained
         for j in range(start, end):
             v = self.verdicts.get(j)
             if v is None:
@@ -94,6 +96,7 @@ class Retainer:
         self.check_hard = check_hard or _no_hard_pins
         self._jobs: queue.Queue[_Job | threading.Event | None] = queue.Queue(_QUEUE_JOBS)
         self._reported: set[str] = set()  # tenants whose gauges were set
+        self._report_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # started by the first job: most data paths never pin
         self._thread_lock = threading.Lock()
 
@@ -107,6 +110,8 @@ class Retainer:
     ) -> RetentionPlan:
         """The verdicts of every chunk whose request asked for retention (runs of chunks share their want)."""
         plan = RetentionPlan()
+        if wants.count(None) == len(wants):
+            return plan  # no request asked: nothing to decide (every save pays this check alone)
         for _, run in groupby(range(len(chunks)), key=lambda i: id(wants[i])):
             indices = list(run)
             request = wants[indices[0]]
@@ -121,6 +126,8 @@ class Retainer:
 
     def settle(self, plan: RetentionPlan, written: Callable[[int], bool], *, pinned_at_put: bool) -> None:
         """After the put: restore what failed, pin the stored values (and, unless pinned_at_put, the written ones)."""
+        if not plan.verdicts:
+            return
         failed, later = [], []
         for j, v in plan.verdicts.items():
             if v.action not in (Action.PIN, Action.RENEW):
@@ -172,12 +179,13 @@ class Retainer:
 
     def report(self) -> None:
         """Each tenant's retained bytes into the metrics (after changes, and by the daemon's housekeeping)."""
-        usage = self.ledger.usage()
-        for tenant in set(self._reported) | set(usage):
-            u = usage.get(tenant, Usage())
-            self.metrics.tenant_retained_bytes.labels(tenant, "soft").set(u.retained_bytes)
-            self.metrics.tenant_retained_bytes.labels(tenant, "hard").set(u.hard_bytes)
-        self._reported = set(usage)
+        with self._report_lock:
+            usage = self.ledger.usage()
+            for tenant in self._reported | set(usage):
+                u = usage.get(tenant, Usage())
+                self.metrics.tenant_retained_bytes.labels(tenant, "soft").set(u.retained_bytes)
+                self.metrics.tenant_retained_bytes.labels(tenant, "hard").set(u.hard_bytes)
+            self._reported = set(usage)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every pin job queued so far is done; whether they all were within timeout."""

@@ -121,7 +121,11 @@ class DataPath:
                         out[i] = exc
                 chunks = [c for _, plan, _ in staged for c in plan.chunks]
                 buffers = [b for _, _, bufs in staged for b in bufs]
-                wants = [requests[i].retention for i, plan, _ in staged for _ in plan.chunks]
+                wants = (
+                    [requests[i].retention for i, plan, _ in staged for _ in plan.chunks]
+                    if any(r.retention is not None for r in requests)
+                    else [None] * len(chunks)
+                )
                 results, kept = (
                     self._put_missing(session, memory, chunks, buffers, deadline, wants)
                     if chunks

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import torch
 
+from kvsidecar.cli.main import main
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.events.messages import KVEventBatch
 from kvsidecar.testing.hashes import chained_hashes
@@ -176,16 +177,18 @@ def test_a_retained_prompt_is_ordinary_cache_again_after_its_time(daemon, engine
     wait_until(lambda: usage(daemon)[""][3] == 0, timeout=30, what="the expired prompt no longer counted")
 
 
-def test_an_operators_hard_pin_outlives_floods_until_it_is_dropped(daemon, engine):
+def test_an_operators_hard_pin_outlives_floods_until_it_is_dropped(daemon, engine, capsys):
     assert engine.save("pinned", Retention(hard=True)).retained == 8
     assert usage(daemon)[""] == (0, 3 * MIB, 2 * MIB, 8)
     engine.save("one-off")
     flood = Flood(engine, "flood-hard")
     flood.until(lambda: engine.hit("one-off") == 0, "the ordinary prompt evicted")
     assert engine.loads_back("pinned")
-    with DaemonProbe(daemon.target) as probe:
-        dropped = probe.drop_retention("", 30)
-    assert (dropped.values, dropped.bytes, dropped.failed) == (8, 2 * MIB, 0)
+    # The operator's command: a daemon without a tenants file has one tenant, named by --drop alone.
+    assert main(["retention", "--socket", daemon.socket, "--drop"]) == 0
+    out = capsys.readouterr().out
+    assert "dropped the retention of 8 values (2.0 MiB) of tenant (single tenant)" in out, out
+    assert "(single tenant): 0.0 MiB of 3.0 MiB retained, 0 values, 0.0 MiB hard-pinned" in out, out
     flood.until(lambda: engine.hit("pinned") == 0, "the dropped pin's prompt evicted")
 
 
