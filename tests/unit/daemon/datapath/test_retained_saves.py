@@ -155,3 +155,24 @@ def test_values_covered_by_the_request_alone_are_retained():
     out = save(dp, r, RetentionArgs(300, end_tokens=32))  # a system prompt of the first 32 tokens
     assert (out.retained, out.unretained) == (2, 0)
     assert [store.pin_of(k) is not None for k in keys(r)] == [True, True, False, False]
+
+
+def test_the_device_path_puts_ordinary_and_pins_right_after():
+    # The GPU path (the CPU standing in for the GPU) writes through its staging area with ordinary puts; the
+    # values it wrote for a retained request are pinned in the background from the store, as stored ones are.
+    from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
+
+    store, metrics = MemoryStore(), Metrics(CollectorRegistry())
+    runtime = GpuRuntime(GpuSettings("auto", 1 << 20, 256 << 10), store, metrics, devices=["cpu"])
+    runtime.start()
+    try:
+        ledger = RetentionLedger(lambda tenant: 1 << 20, max_seconds=3600)
+        dp = DataPath(store, metrics, gpu=runtime, retention=Retainer(store, ledger, metrics))
+        r = Rank(ATTENTION, ATTENTION.layout(1), device=True)
+        r.fill(HASHES, IDS)
+        out = save(dp, r)
+        assert (out.written, out.retained) == (4, 4)
+        assert dp.retention.flush(10.0)
+        assert [store.pin_of(k) for k in keys(r)] == [Pin(ttl_ms=300_000)] * 4
+    finally:
+        runtime.stop()
