@@ -57,12 +57,18 @@ class Engine:
         self.kv = [shared_tensor((16, VALUE // 4), torch.float32) for _ in range(2)]
         self.client.register(self.kv, [(0,), (1,)])
 
-    def save(self, name: str, retention: Retention | None = None):
-        """Save prompt `name` from blocks 0-3, filled with its own bytes."""
+    def save(self, name: str, retention: Retention | None = None, *, whole: bool = True):
+        """Save prompt `name` from blocks 0-3, filled with its own bytes; `whole`: again until every value is
+        stored (after a flood the daemon backs off a full store for up to 4 s: its saves fail with no_space)."""
         for g, t in enumerate(self.kv):
             t[:BLOCKS] = _content(name, g)
         ids = [list(range(BLOCKS))] * 2
-        return self.client.save(chained_hashes(name, BLOCKS), ids, TOKENS, retention=retention).result()
+
+        def saved():
+            result = self.client.save(chained_hashes(name, BLOCKS), ids, TOKENS, retention=retention).result()
+            return result if not (whole and result.failed) else None
+
+        return wait_until(saved, timeout=30, what=f"prompt {name} stored whole")
 
     def hit(self, name: str) -> int:
         return self.client.lookup(chained_hashes(name, BLOCKS), TOKENS + 1).hit_tokens
@@ -101,7 +107,7 @@ class Flood:
         def step() -> bool:
             for _ in range(10):
                 self.n += 1
-                self.engine.save(f"{self.tag}-{self.n}")
+                self.engine.save(f"{self.tag}-{self.n}", whole=False)
             return done()
 
         wait_until(step, timeout=timeout, what=what)
