@@ -25,7 +25,7 @@ from kvsidecar.tenancy.retention import Action, RetentionLedger, Usage, Verdict
 from kvsidecar.values import RetentionArgs
 from kvsidecar_contract.placement import Chunk, key_prefix
 
-__all__ = ["Dropped", "Retainer", "RetentionPlan"]
+__all__ = ["Dropped", "Retainer", "RetentionPlan", "put_pinned"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ class RetentionPlan:
         """The pin chunk j is written with (None: ordinary cache)."""
         v = self.verdicts.get(j)
         return v.pin if v is not None and v.retained else None
+
+    def pins(self, chunks: Sequence[int]) -> list[Pin | None] | None:
+        """The pin each of these chunks is written with; None when no chunk of the batch asked for retention."""
+        return [self.put_pin(j) for j in chunks] if self.verdicts else None
 
     def counts(self, start: int, end: int, written: Callable[[int], bool]) -> tuple[int, int]:
         """(retained, unretained) among chunks [start, end): retained where it was stored or is being pinned."""
@@ -99,6 +103,11 @@ class Retainer:
         self._report_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # started by the first job: most data paths never pin
         self._thread_lock = threading.Lock()
+
+    def check(self, session: Session, want: RetentionArgs | None) -> None:
+        """Forbidden where the request asks for a hard pin and the session may not pin hard."""
+        if want is not None and want.hard:
+            self.check_hard(session)
 
     def plan(
         self,
@@ -265,6 +274,27 @@ class Retainer:
                 self.ledger.restore(failed)
                 self.metrics.retention_values.labels("failed").inc(len(failed))
         self.report()
+
+
+def put_pinned(
+    store: Store,
+    keys: Sequence[str],
+    addresses: Sequence[Sequence[int]],
+    sizes: Sequence[Sequence[int]],
+    pins: Sequence[Pin | None] | None,
+) -> list[StoreCode]:
+    """The values put from host memory, one batch put per pin they take (pins None: one ordinary put)."""
+    if pins is None:
+        return store.put_from(keys, addresses, sizes)
+    codes: list[StoreCode] = [StoreCode.OK] * len(keys)
+    for pin in dict.fromkeys(pins):
+        these = [n for n, p in enumerate(pins) if p == pin]
+        got = store.put_from(
+            [keys[n] for n in these], [addresses[n] for n in these], [sizes[n] for n in these], pin=pin
+        )
+        for n, code in zip(these, got, strict=True):
+            codes[n] = code
+    return codes
 
 
 def _order(pin: Pin | None) -> tuple[bool, int]:

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
-from kvsidecar.datapath.retention import Retainer, RetentionPlan
+from kvsidecar.datapath.retention import Retainer, RetentionPlan, put_pinned
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.gpu import transfers as device
@@ -101,8 +101,7 @@ class DataPath:
         plans: list[tuple[int, SavePlan]] = []
         for i, r in enumerate(requests):
             try:
-                if r.retention is not None and r.retention.hard:
-                    self.retention.check_hard(session)
+                self.retention.check(session, r.retention)
                 plan = save_plan(session.geometry, r.hashes, r.block_ids, r.num_tokens, r.saved)
             except Exception as exc:
                 out[i] = exc
@@ -196,7 +195,13 @@ class DataPath:
             try:
                 with self._timed("put"):
                     if memory.device is None:
-                        codes = self._put_pinned(keys, buffers, todo, kept)
+                        codes = put_pinned(
+                            self.store,
+                            [keys[j] for j in todo],
+                            [buffers[j][0] for j in todo],
+                            [buffers[j][1] for j in todo],
+                            kept.pins(todo),
+                        )
                     else:
                         codes = device.put(
                             self.store,
@@ -220,24 +225,6 @@ class DataPath:
             results[j] = results[f]
         self.retention.settle(kept, lambda j: results[j] is Saved.WRITTEN, pinned_at_put=memory.device is None)
         return results, kept
-
-    def _put_pinned(
-        self, keys: Sequence[str], buffers: Sequence[Buffers], todo: Sequence[int], kept: RetentionPlan
-    ) -> list[StoreCode]:
-        """todo's values from host memory, one put per pin they take (one put when none asked for retention)."""
-        pins = [kept.put_pin(j) for j in todo] if kept.verdicts else [None] * len(todo)
-        codes: list[StoreCode] = [StoreCode.OK] * len(todo)
-        for pin in dict.fromkeys(pins):
-            these = [n for n, p in enumerate(pins) if p == pin]
-            got = self.store.put_from(
-                [keys[todo[n]] for n in these],
-                [buffers[todo[n]][0] for n in these],
-                [buffers[todo[n]][1] for n in these],
-                pin=pin,
-            )
-            for n, code in zip(these, got, strict=True):
-                codes[n] = code
-        return codes
 
     def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
@@ -298,6 +285,7 @@ class DataPath:
         planned: list[tuple[int, list[Chunk], list[Chunk]]] = []  # (request, its chunks, its NO_BLOCK chunks)
         for i, r in enumerate(requests):
             try:
+                self.retention.check(session, r.retention)
                 plan = load_plan(session.geometry, r.hashes, r.block_ids, r.hit_tokens, r.tails, r.start_tokens)
             except Exception as exc:
                 out[i] = exc
@@ -307,12 +295,6 @@ class DataPath:
             for c in nowhere:
                 if c.part == 0:  # one block, however many values per KV head it is cut into (rule 11)
                     self.metrics.load_failed_blocks.labels(kinds[c.group], Reason.NO_BLOCK.value).inc()
-            if r.retention is not None and r.retention.hard:
-                try:
-                    self.retention.check_hard(session)
-                except Exception as exc:
-                    out[i] = exc
-                    continue
             planned.append((i, [c for c in plan if c.block_id != NO_BLOCK], nowhere))
         with _holding(memory):
             staged: list[tuple[int, list[Chunk], list[Chunk], list[Buffers]]] = []
