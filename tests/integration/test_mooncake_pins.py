@@ -1,6 +1,6 @@
-"""MooncakeStore's pins against a real mooncake_master under pressure: a flood of ordinary puts evicts ordinary
-values first, soft-pinned ones stay until their time is up, hard-pinned ones until unpinned; `pin` changes a stored
-value's pin and keeps its bytes (docs/retention.md has the measurements behind store/pins.py)."""
+"""MooncakeStore's `pin` against a real mooncake_master under pressure: a stored value's pin changes (soft, hard,
+none again) and its bytes stay (docs/retention.md has the measurements behind store/pins.py). What pins do to
+eviction through the daemon, time running out included, is tests/integration/test_retention.py's."""
 
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ import pytest
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store import Pin, StoreCode
 from kvsidecar.store.mooncake_store import MIN_GLOBAL_SEGMENT_SIZE, MooncakeStore
-from kvsidecar.testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 MIB = 1 << 20
-SOFT_MS = 3000
 
 
 @pytest.fixture(scope="module")
@@ -52,39 +50,9 @@ class Values:
         return self.buffer.raw == (key.encode() * MIB)[:MIB]
 
 
-def flooded_out(store: MooncakeStore, values: Values, keys: list[str]) -> bool:
-    """A flood of 20 new values; whether keys are all gone after it."""
-    values.put(store, [f"flood-{time.monotonic_ns()}-{i}" for i in range(20)])
-    return there(store, keys) == "." * len(keys)
-
-
 def there(store: MooncakeStore, keys: list[str]) -> str:
     """Which keys are stored, without a read lease: 1 there, . gone."""
     return "".join("1" if tier else "." for tier in store.tiers(keys))
-
-
-def test_a_flood_evicts_ordinary_values_first_and_pins_hold_until_their_time_or_an_unpin(pressure, key_prefix):
-    store, values = pressure, Values()
-    soft = [f"{key_prefix}soft{i}" for i in range(3)]
-    hard = [f"{key_prefix}hard{i}" for i in range(2)]
-    ordinary = [f"{key_prefix}old{i}" for i in range(3)]
-    values.put(store, soft, Pin(ttl_ms=SOFT_MS))
-    values.put(store, hard, Pin(hard=True))
-    values.put(store, ordinary)
-    started = time.monotonic()
-    values.put(store, [f"{key_prefix}flood{i}" for i in range(40)])  # 40 MiB through a 16 MiB segment
-    assert time.monotonic() - started < SOFT_MS / 1000, "the flood outlasted the soft pins: nothing was shown"
-    assert (there(store, soft), there(store, hard), there(store, ordinary)) == ("111", "11", "...")
-    assert all(values.intact(store, k) for k in soft + hard)
-    # Past their time, soft pins are ordinary cache again: a flood then takes them; hard pins stay.
-    wait_until(lambda: flooded_out(store, values, soft), timeout=30, what="the soft pins' values evicted")
-    assert time.monotonic() - started >= SOFT_MS / 1000
-    assert there(store, hard) == "11"
-    # Unpinned (bytes kept), a hard-pinned value is ordinary cache like any other.
-    assert store.pin(hard, [MIB, MIB], None, hard_before=True) == [StoreCode.OK, StoreCode.OK]
-    assert all(values.intact(store, k) for k in hard)
-    values.put(store, [f"{key_prefix}last{i}" for i in range(40)])
-    assert there(store, hard) == ".."
 
 
 def test_pin_changes_a_stored_values_pin_and_keeps_its_bytes(pressure, key_prefix):
