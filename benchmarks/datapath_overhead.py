@@ -39,11 +39,20 @@ class StubStore:
     def exists(self, keys: Sequence[str]) -> list[Presence]:
         return [Presence.PRESENT if self.present else Presence.ABSENT] * len(keys)
 
-    def put_from(self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]):
+    def put_from(
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        device: bool = False,
+        pin: object = None,
+    ):
         check_batch_shapes(keys, addresses, sizes)
         return [StoreCode.OK] * len(keys)
 
-    get_into = put_from
+    def get_into(self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]):
+        return self.put_from(keys, addresses, sizes)
 
     def register_buffer(self, address: int, size: int) -> None:
         pass

@@ -193,6 +193,24 @@ class Config:
         parse=bool,
         group=TENANCY,
     )
+    retained_bytes: int = setting(
+        -1,
+        help=(
+            "without --tenants: the bytes requests may keep ahead of ordinary cache (retention, docs/retention.md), "
+            "e.g. 512MiB (default: half of --segment-size; 0: none); with --tenants, each tenant's retained_bytes"
+        ),
+        parse=parse_size,
+        group=TENANCY,
+    )
+    max_retention_seconds: float = setting(
+        86400.0,
+        help=(
+            "the longest a request may ask its values to be kept (longer asks get this); the embedded master is "
+            "started with it, an external master's --max_kv_soft_pin_ttl must be at least as long (default 86400)"
+        ),
+        parse=float,
+        group=TENANCY,
+    )
     metrics_address: str = setting(
         DEFAULT_METRICS_ADDRESS,
         help="host:port of the Prometheus /metrics endpoint (default: %(default)s)",
@@ -444,6 +462,8 @@ class Config:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 16MiB, got {getattr(self, name)}")
         if self.session_ttl <= 0:
             raise ConfigError(f"session-ttl must be > 0 seconds, got {self.session_ttl}")
+        if not 0 < self.max_retention_seconds <= 366 * 86400:
+            raise ConfigError(f"max-retention-seconds must be > 0 and at most a year, got {self.max_retention_seconds}")
         for name in (
             "max_registered_bytes",
             "max_registered_bytes_per_account",

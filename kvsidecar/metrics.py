@@ -244,6 +244,25 @@ class Metrics:
             registry=r,
         )
 
+        # Retention (docs/retention.md): the tenant label is "" on a daemon without a tenants file.
+        self.tenant_retained_bytes = Gauge(
+            "kvsidecar_tenant_retained_bytes",
+            "Bytes a tenant's requests keep ahead of ordinary cache now: pin soft (counted against its retention "
+            "budget) or hard (an operator's).",
+            ["tenant", "pin"],
+            registry=r,
+        )
+        self.retention_values = Counter(
+            "kvsidecar_retention_values",
+            "Values of saves and hits that asked for retention, by outcome: pin (newly retained), renew, kept "
+            "(retained already), over (the tenant's budget is spent: ordinary cache), failed (the store could not "
+            "pin a stored value), queue_full (too many pins waiting).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("pin", "renew", "kept", "over", "failed", "queue_full"):
+            self.retention_values.labels(outcome)
+
     def tenant_totals(self, tenants: set[str]) -> dict[str, float]:
         """The per-tenant counters summed over the given tenants, by sample name (Stats for a non-admin tenant)."""
         out: dict[str, float] = {}

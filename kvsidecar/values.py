@@ -25,6 +25,7 @@ __all__ = [
     "LookupArgs",
     "LookupOutcome",
     "RegionRequest",
+    "RetentionArgs",
     "Role",
     "SaveArgs",
     "SaveOutcome",
@@ -103,6 +104,18 @@ class SaveOutcome(NamedTuple):
     striped_to_others: int
     bytes_written: int
     absent: int = 0
+    retained: int = 0  # values kept ahead of ordinary cache (docs/retention.md)
+    unretained: int = 0  # values asked to be retained that stay ordinary cache (the tenant's budget is spent)
+
+
+class RetentionArgs(NamedTuple):
+    """How long a request's values are kept ahead of ordinary cache, and how much that matters (docs/retention.md)."""
+
+    seconds: float  # from now; unused for a hard pin
+    priority: int = 100  # 0-100: the share of its tenant's retention budget it may fill
+    renew: bool = False  # values already retained start their time again
+    end_tokens: int = 0  # only the values of tokens [0, end_tokens) (0: all)
+    hard: bool = False  # an operator's hard pin
 
 
 class SaveArgs(NamedTuple):
@@ -114,6 +127,7 @@ class SaveArgs(NamedTuple):
     saved: int = 0
     tokens: Sequence[int] = ()  # the request's token ids from tokens_start on, if the client sent them (KV events)
     tokens_start: int = 0
+    retention: RetentionArgs | None = None
 
 
 class LookupArgs(NamedTuple):
@@ -132,6 +146,7 @@ class LoadArgs(NamedTuple):
     hit_tokens: int
     tails: Sequence[int]
     start_tokens: int = 0
+    retention: RetentionArgs | None = None  # a hit retains what it read as a save would
 
 
 class LookupOutcome(NamedTuple):
@@ -148,6 +163,8 @@ class LoadOutcome(NamedTuple):
     loaded: int
     bytes_loaded: int
     failures: tuple[Failure, ...]
+    retained: int = 0
+    unretained: int = 0
 
 
 class SessionSummary(NamedTuple):

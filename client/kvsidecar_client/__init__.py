@@ -44,6 +44,7 @@ from kvsidecar_client.results import (
     SaveResult,
     SessionInfo,
 )
+from kvsidecar_client.retention import Retention
 from kvsidecar_contract.limits import NO_BLOCK
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ __all__ = [
     "PreconditionFailed",
     "Registration",
     "ResourceExhausted",
+    "Retention",
     "SaveItem",
     "SaveJob",
     "SaveResult",

@@ -9,6 +9,7 @@ import grpc
 
 from kvsidecar_client.errors import DaemonError, InvalidRequest, SidecarError, error_for_status
 from kvsidecar_client.results import Hit, LoadResult, SaveResult
+from kvsidecar_client.retention import Retention
 from kvsidecar_contract.limits import MAX_BATCH_ITEMS, MAX_BLOCK_IDS, MAX_HASHES
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
@@ -19,6 +20,7 @@ __all__ = [
     "item_outcomes",
     "load_batch_request",
     "load_requests",
+    "retention_message",
     "save_batch_request",
     "save_requests",
 ]
@@ -38,6 +40,7 @@ class SaveItem(NamedTuple):
     saved_tokens: int = 0
     token_ids: Sequence[int] = ()  # optional: the request's tokens from token_ids_start on, for KV events
     token_ids_start: int = 0
+    retention: Retention | None = None  # None: the client's default (docs/retention.md)
 
 
 class LoadItem(NamedTuple):
@@ -48,13 +51,16 @@ class LoadItem(NamedTuple):
     block_ids: Sequence[Sequence[int]]
     hit: Hit
     start_tokens: int = 0
+    retention: Retention | None = None  # a hit retains what it read; None: the client's default
 
 
 BlockIdsOf = Callable[[Sequence[Sequence[int]]], list[pb.BlockIds]]
 
 
-def save_requests(items: Sequence[SaveItem], block_ids: BlockIdsOf) -> dict[str, pb.SaveRequest | InvalidRequest]:
-    """Each item's SaveRequest, or why the client refuses it (that item alone)."""
+def save_requests(
+    items: Sequence[SaveItem], block_ids: BlockIdsOf, retention: Retention | None = None
+) -> dict[str, pb.SaveRequest | InvalidRequest]:
+    """Each item's SaveRequest (retention: the default of items without one), or why the client refuses it."""
     out: dict[str, pb.SaveRequest | InvalidRequest] = {}
     for item in items:
         try:
@@ -65,6 +71,7 @@ def save_requests(items: Sequence[SaveItem], block_ids: BlockIdsOf) -> dict[str,
                 saved_tokens=item.saved_tokens,
                 token_ids=item.token_ids,
                 token_ids_start=item.token_ids_start,
+                retention=retention_message(item.retention or retention),
             )
         except InvalidRequest as error:
             out[item.name] = error
@@ -74,9 +81,10 @@ def save_requests(items: Sequence[SaveItem], block_ids: BlockIdsOf) -> dict[str,
 
 
 def load_requests(
-    items: Sequence[LoadItem], block_ids: BlockIdsOf
+    items: Sequence[LoadItem], block_ids: BlockIdsOf, retention: Retention | None = None
 ) -> dict[str, pb.LoadRequest | LoadResult | InvalidRequest]:
-    """Each item's LoadRequest, an empty result for a miss (nothing to read), or why the client refuses it."""
+    """Each item's LoadRequest (retention: the default of items without one), an empty result for a miss (nothing
+    to read), or why the client refuses it."""
     out: dict[str, pb.LoadRequest | LoadResult | InvalidRequest] = {}
     for item in items:
         try:
@@ -90,12 +98,18 @@ def load_requests(
                 hit_tokens=item.hit.hit_tokens,
                 tail_boundaries=item.hit.tail_boundaries,
                 start_tokens=item.start_tokens,
+                retention=retention_message(item.retention or retention),
             )
         except InvalidRequest as error:
             out[item.name] = error
         except (TypeError, ValueError) as error:
             out[item.name] = InvalidRequest(f"bad LoadBatch item {item.name!r}: {error}", method="LoadBatch")
     return out
+
+
+def retention_message(retention: Retention | None) -> pb.Retention | None:
+    """A request's Retention field (None: unset, the values are ordinary cache)."""
+    return None if retention is None else retention.to_proto()
 
 
 def chunks(items: Sequence[tuple[str, Any, T]]) -> Iterator[list[tuple[str, Any, T]]]:

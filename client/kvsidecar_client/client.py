@@ -26,6 +26,7 @@ from kvsidecar_client.batch import (
     item_outcomes,
     load_batch_request,
     load_requests,
+    retention_message,
     save_requests,
 )
 from kvsidecar_client.deadlines import Deadlines
@@ -39,6 +40,7 @@ from kvsidecar_client.errors import (
 from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
 from kvsidecar_client.results import Hit, LoadResult, Registration, SessionInfo
+from kvsidecar_client.retention import Retention
 from kvsidecar_client.saves import SaveSender
 from kvsidecar_client.session import SessionKeeper, remaining
 from kvsidecar_contract.limits import MAX_REGIONS
@@ -72,9 +74,11 @@ class SidecarClient:
         deadlines: Deadlines | None = None,
         side: SideSocket | None = None,
         data: DataSocket | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self._keeper = SessionKeeper(channel, spec, deadlines or Deadlines(), side, data)
         self._spec = spec
+        self.retention = retention  # the default of saves and loads that name none
         self._deadlines = self._keeper.deadlines
         # Saves are sent, and re-sent after a lost session, from here.
         self._saves = SaveSender(self._keeper)
@@ -102,6 +106,7 @@ class SidecarClient:
         fine_grained_hits: bool | None = None,
         share_across_tp: bool | int = False,
         data_socket: bool = True,
+        retention: Retention | None = None,
     ) -> SidecarClient:
         """Open a session at `address` (unix:///path, a bare /path, or host:port), waiting for a daemon still starting.
 
@@ -112,6 +117,7 @@ class SidecarClient:
         (docs/placement.md rule 11): True per KV head, an int N as a TP=N engine holds its heads; every session of
         the engine must say the same. `data_socket`: send saves, loads and lookups over the daemon's data socket
         where it has one (a Unix-socket daemon; without the socket, or with False, they go over gRPC).
+        `retention` is the default of every save and load that names none (docs/retention.md).
         """
         spec = SessionSpec(
             model=model,
@@ -132,7 +138,7 @@ class SidecarClient:
         side = side_socket_for(address) if path is not None else None
         data = data_socket_for(path) if data_socket else None
         channel = make_channel(address, max_message_bytes, auth)
-        client = cls(channel, spec, deadlines=deadlines, side=side, data=data)
+        client = cls(channel, spec, deadlines=deadlines, side=side, data=data, retention=retention)
         try:
             client.start()
         except BaseException:
@@ -195,12 +201,14 @@ class SidecarClient:
         saved_tokens: int = 0,
         token_ids: Sequence[int] = (),
         token_ids_start: int = 0,
+        retention: Retention | None = None,
         timeout: float | None = None,
     ) -> SaveJob:
         """Start saving the request's blocks and return at once; do not reuse the blocks before `job.done()`.
 
         `block_ids[g][i]` is group g's physical block for its i-th span; `token_ids`, optional, are the request's
-        tokens from position `token_ids_start` on (the daemon's KV events then carry each stored block's tokens).
+        tokens from position `token_ids_start` on (the daemon's KV events then carry each stored block's tokens);
+        `retention` keeps them ahead of ordinary cache (None: the client's default).
         Daemon trouble is reported by the job
         (`job.result()` raises), never by this call; bad input and a missing `register` raise here.
         """
@@ -217,6 +225,7 @@ class SidecarClient:
             saved_tokens=saved_tokens,
             token_ids=token_ids,
             token_ids_start=token_ids_start,
+            retention=retention_message(retention or self.retention),
         )
         return self._saves.send(request, deadline)
 
@@ -231,7 +240,7 @@ class SidecarClient:
         self._require_memory(method)
         _unique([item.name for item in items], method)
         deadline = time.monotonic() + (self._deadlines.save if timeout is None else timeout)
-        requests = save_requests(items, lambda ids: self._block_ids(ids, method))
+        requests = save_requests(items, lambda ids: self._block_ids(ids, method), self.retention)
         return self._saves.send_batch(requests, deadline)
 
     def lookup(
@@ -294,9 +303,11 @@ class SidecarClient:
         hit: Hit,
         *,
         start_tokens: int = 0,
+        retention: Retention | None = None,
         timeout: float | None = None,
     ) -> LoadResult:
-        """Read a lookup's hit into the blocks `block_ids` (per group) and name every block that failed.
+        """Read a lookup's hit into the blocks `block_ids` (per group) and name every block that failed; with
+        `retention` (None: the client's default) what it read is kept ahead of ordinary cache.
 
         Raises DaemonUnavailable when the daemon cannot be reached: the client cannot know which blocks the load
         would have read, so the engine must then recompute every block it asked for.
@@ -314,6 +325,7 @@ class SidecarClient:
             hit_tokens=hit.hit_tokens,
             tail_boundaries=hit.tail_boundaries,
             start_tokens=start_tokens,
+            retention=retention_message(retention or self.retention),
         )
         response = self._keeper.call("Load", request, self._deadlines.load if timeout is None else timeout)
         return LoadResult.from_proto(response)
@@ -332,7 +344,7 @@ class SidecarClient:
         _unique([item.name for item in items], method)
         out: dict[str, LoadResult | SidecarError] = {}
         sendable: list[tuple[str, pb.LoadRequest, None]] = []
-        for name, request in load_requests(items, lambda ids: self._block_ids(ids, method)).items():
+        for name, request in load_requests(items, lambda ids: self._block_ids(ids, method), self.retention).items():
             if isinstance(request, pb.LoadRequest):
                 sendable.append((name, request, None))
             else:
@@ -356,10 +368,13 @@ class SidecarClient:
         hit: Hit,
         *,
         start_tokens: int = 0,
+        retention: Retention | None = None,
         timeout: float | None = None,
     ) -> set[int]:
         """Like `load_detailed`, returning only the ids of the blocks that failed to load."""
-        result = self.load_detailed(block_hashes, block_ids, hit, start_tokens=start_tokens, timeout=timeout)
+        result = self.load_detailed(
+            block_hashes, block_ids, hit, start_tokens=start_tokens, retention=retention, timeout=timeout
+        )
         return result.failed_block_ids
 
     def reset(self, *, timeout: float | None = None) -> int:

@@ -1,9 +1,10 @@
-"""A look at a running daemon for operators' tools (`kvsidecar status`): a channel as the client opens it, and the
-daemon's Stats asked as this process's own uid."""
+"""A look at a running daemon for operators' tools (`kvsidecar status`, `kvsidecar retention`): a channel as the
+client opens it, and the daemon's Stats (and an operator's calls) made as this process's own uid."""
 
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -32,18 +33,26 @@ class DaemonProbe:
     def stats(self, timeout: float) -> pb.StatsResponse:
         """The daemon's Stats; raises the client's SidecarError for a refusal (PermissionDenied: this uid is no
         tenant's) or an unreachable daemon."""
+        stats: pb.StatsResponse = self._call("Stats", pb.StatsRequest(), timeout)
+        return stats
+
+    def drop_retention(self, tenant: str, timeout: float) -> pb.DropRetentionResponse:
+        """Make every value tenant's requests retained ordinary cache again (an operator's credential only:
+        PermissionDenied otherwise)."""
+        dropped: pb.DropRetentionResponse = self._call("DropRetention", pb.DropRetentionRequest(tenant=tenant), timeout)
+        return dropped
+
+    def _call(self, method: str, request: object, timeout: float) -> Any:
+        """One call with this uid's side-socket ticket over a Unix socket (the TCP listener's own credentials else)."""
         side = side_socket_for(self.address) if self._auth is None else None
         try:
             metadata = tuple(side.metadata(timeout)) if side is not None else ()
         except SidecarError:
             metadata = ()  # an older daemon without a side socket, or one still starting
         try:
-            stats: pb.StatsResponse = SidecarStub(self.channel).Stats(
-                pb.StatsRequest(), timeout=timeout, metadata=metadata or None
-            )
+            return getattr(SidecarStub(self.channel), method)(request, timeout=timeout, metadata=metadata or None)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, "Stats") from None
-        return stats
+            raise from_rpc_error(exc, method) from None
 
     def close(self) -> None:
         self.channel.close()

@@ -32,6 +32,8 @@ class SaveResult(NamedTuple):
     bytes_written: int
     failures: tuple[FailedBlock, ...] = ()
     absent: int = 0  # values this rank would write but had no block for (NO_BLOCK)
+    retained: int = 0  # values the store keeps ahead of ordinary cache (a save that asked for retention)
+    unretained: int = 0  # values it asked to retain that are ordinary cache: the tenant's retention budget is spent
 
     @classmethod
     def from_proto(cls, message: pb.SaveResponse) -> SaveResult:
@@ -44,6 +46,8 @@ class SaveResult(NamedTuple):
             message.bytes_written,
             _failures(message.failures),
             message.absent,
+            message.retained,
+            message.unretained,
         )
 
 
@@ -76,6 +80,8 @@ class LoadResult(NamedTuple):
     loaded: int
     bytes_loaded: int
     failures: tuple[FailedBlock, ...] = ()
+    retained: int = 0  # values read that the store keeps ahead of ordinary cache (a load that asked for retention)
+    unretained: int = 0
 
     @property
     def failed_block_ids(self) -> set[int]:
@@ -85,7 +91,9 @@ class LoadResult(NamedTuple):
     @classmethod
     def from_proto(cls, message: pb.LoadResponse) -> LoadResult:
         """From the daemon's LoadResponse."""
-        return cls(message.loaded, message.bytes_loaded, _failures(message.failures))
+        return cls(
+            message.loaded, message.bytes_loaded, _failures(message.failures), message.retained, message.unretained
+        )
 
 
 class Registration(NamedTuple):

@@ -50,6 +50,7 @@ METHODS: tuple[Method, ...] = (
     Method("Lookup", pb.LookupRequest, pb.LookupResponse, "lookup", frame=5, gate=True, limit="max-lookup-hashes"),
     Method("Reset", pb.ResetRequest, pb.ResetResponse, "data"),
     Method("Stats", pb.StatsRequest, pb.StatsResponse, "lookup"),
+    Method("DropRetention", pb.DropRetentionRequest, pb.DropRetentionResponse, "data"),
 )
 
 BY_NAME: dict[str, Method] = {m.name: m for m in METHODS}

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvsidecar import __version__
-from kvsidecar.cli import bench, demo, layout, serve, status, tokens
+from kvsidecar.cli import bench, demo, layout, retention, serve, status, tokens
 
 __all__ = ["EXIT_OUTPUT_CLOSED", "EXIT_USAGE", "build_parser", "main"]
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsidecar", description="Node-local KV-cache store daemon.")
     parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Command)
-    for command in (serve, status, layout, tokens, demo, bench):
+    for command in (serve, status, retention, layout, tokens, demo, bench):
         command.add(sub)
     return parser
 

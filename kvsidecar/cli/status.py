@@ -77,6 +77,10 @@ def render(info: dict[str, Any]) -> str:
             drops = int(item["dropped_packets"])
             refused = f", refused {drops} packets" if drops else ""
             lines.append(f"  {item['role']:18} {item['address']:28} allowed: {item['allowed']}{refused}")
+    if info.get("retention"):
+        from kvsidecar.cli.retention import render as retention
+
+        lines.append(retention(info["retention"]))
     if info["counters"]:
         lines.append("counters:")
         lines += [f"  {k} {v:g}" for k, v in sorted(info["counters"].items())]

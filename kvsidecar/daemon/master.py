@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_CLIENT_TTL_S",
     "DEFAULT_EVICTION_HIGH_WATERMARK_RATIO",
     "DEFAULT_KV_LEASE_TTL_MS",
+    "DEFAULT_MAX_SOFT_PIN_MS",
     "DEFAULT_READY_TIMEOUT_S",
     "DEFAULT_STOP_TIMEOUT_S",
     "LOOPBACK",
@@ -41,6 +42,8 @@ LOOPBACK = "127.0.0.1"
 DEFAULT_KV_LEASE_TTL_MS = 10_000
 DEFAULT_EVICTION_HIGH_WATERMARK_RATIO = 0.9
 DEFAULT_CLIENT_TTL_S = 10
+DEFAULT_MAX_SOFT_PIN_MS = 86_400_000  # Mooncake's own default --max_kv_soft_pin_ttl (24 h)
+DEFAULT_KV_SOFT_PIN_TTL_MS = 1_800_000  # Mooncake's own default --default_kv_soft_pin_ttl (30 min)
 DEFAULT_READY_TIMEOUT_S = 15.0
 DEFAULT_STOP_TIMEOUT_S = 5.0  # a graceful SIGTERM stop takes 1-3 s
 _TAIL_LINES = 40
@@ -166,14 +169,18 @@ class EmbeddedMaster:
         log_path: str | os.PathLike[str] | None = None,
         extra_args: tuple[str, ...] = (),
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        max_soft_pin_ms: int = DEFAULT_MAX_SOFT_PIN_MS,
     ) -> None:
         """Describe the master; nothing starts before start().
 
-        lease_ttl_ms is Mooncake's default_kv_lease_ttl; env is added to this process's environment for the child;
-        log_path None keeps only the child's last output lines in memory.
+        lease_ttl_ms is Mooncake's default_kv_lease_ttl; max_soft_pin_ms its max_kv_soft_pin_ttl (the longest
+        retention a put may ask); env is added to this process's environment for the child; log_path None keeps only
+        the child's last output lines in memory.
         """
         if not 0 < eviction_high_watermark_ratio <= 1:
             raise ValueError(f"eviction_high_watermark_ratio must be in (0, 1], got {eviction_high_watermark_ratio}")
+        if max_soft_pin_ms <= 0:
+            raise ValueError(f"max_soft_pin_ms must be positive, got {max_soft_pin_ms}")
         if lease_ttl_ms <= 0 or client_ttl_s <= 0:
             raise ValueError(f"lease_ttl_ms and client_ttl_s must be positive, got {lease_ttl_ms}, {client_ttl_s}")
         for name, port in (("rpc_port", rpc_port), ("metrics_port", metrics_port)):
@@ -188,6 +195,9 @@ class EmbeddedMaster:
             f"--default_kv_lease_ttl={lease_ttl_ms}",
             f"--eviction_high_watermark_ratio={eviction_high_watermark_ratio}",
             f"--client_ttl={client_ttl_s}",
+            f"--max_kv_soft_pin_ttl={max_soft_pin_ms}",
+            # Mooncake refuses to start with a default longer than the maximum; every pinned put names its time.
+            f"--default_kv_soft_pin_ttl={min(DEFAULT_KV_SOFT_PIN_TTL_MS, max_soft_pin_ms)}",
             *extra_args,
         ]
         self._env = dict(env or {})

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvsidecar.daemon.settings import ServiceSettings, TenancySettings
+from kvsidecar.datapath.retention import Retainer
 from kvsidecar.datapath.retries import RetryPolicy
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import ConfigError, DaemonError
@@ -20,6 +21,7 @@ from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
+from kvsidecar.tenancy.retention import RetentionLedger
 from kvsidecar.tenancy.shares import SessionShares, ShareLimits
 
 __all__ = ["build_data_path", "build_service", "build_sessions", "open_tenancy"]
@@ -29,7 +31,12 @@ def open_tenancy(settings: TenancySettings, metrics: Metrics) -> Tenancy:
     """The tenants table (single-tenant without a file) and its live grants; a tenants file that cannot be used
     stops the daemon with the reason."""
     try:
-        return Tenancy(metrics, settings.tenants, allow_shm_names=settings.allow_shm_names)
+        return Tenancy(
+            metrics,
+            settings.tenants,
+            allow_shm_names=settings.allow_shm_names,
+            retained_bytes=settings.retained_bytes,
+        )
     except ConfigError as exc:
         raise DaemonError(str(exc)) from None
 
@@ -55,8 +62,9 @@ def build_data_path(
     events: StoreEvents = NO_EVENTS,
     retries: RetryPolicy | None = None,
 ) -> DataPath:
-    """Saves, lookups and loads against the store, within each tenant's write budget, telling events of writes;
-    loads try again what the store failed transiently, as retries allows."""
+    """Saves, lookups and loads against the store, within each tenant's write and retention budgets, telling events
+    of writes; loads try again what the store failed transiently, as retries allows."""
+    ledger = RetentionLedger(tenancy.retention_budget, max_seconds=settings.max_retention_seconds)
     return DataPath(
         store,
         metrics,
@@ -64,6 +72,7 @@ def build_data_path(
         events=events,
         max_lookup_hashes=settings.max_lookup_hashes,
         retries=retries,
+        retention=Retainer(store, ledger, metrics, lambda s: tenancy.check_operator(s.caller, "a hard pin")),
     )
 
 

@@ -307,6 +307,7 @@ class Daemon:
             binary=self.settings.master.binary or None,
             lease_ttl_ms=self.settings.master.lease_ttl_ms,
             env=ensure_native_libs(),
+            max_soft_pin_ms=self.settings.master.max_soft_pin_ms,
         )
         self.master.start()
         self.master_address = self.master.address
@@ -356,6 +357,7 @@ class Daemon:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             await loop.run_in_executor(None, self.service.sessions.expire)
+            self.service.datapath.retention.report()  # retained bytes whose time ran out leave the gauges
             if self.disk_tier is not None:
                 await loop.run_in_executor(None, self.disk_tier.housekeep)
             # Only a daemon that set up Mooncake itself owns the listeners of its process: a store handed in (tests)
@@ -424,6 +426,7 @@ class Daemon:
         if self.service is not None:
             await loop.run_in_executor(None, self.service.sessions.close_all)
             await loop.run_in_executor(None, self.service.shutdown_pools)
+            await loop.run_in_executor(None, self.service.datapath.retention.stop)
         if self.gpu is not None:
             await loop.run_in_executor(None, self.gpu.stop)  # unpins the segment before the store frees it
         if self._store is not None:

@@ -7,6 +7,7 @@ say at a glance what it depends on and a test builds one without a Config.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvsidecar.config import Config
@@ -43,11 +44,13 @@ class SocketSettings:
 
 @dataclass(frozen=True)
 class TenancySettings:
-    """The tenants file ("": single-tenant) and what the node's local accounts may be trusted with."""
+    """The tenants file ("": single-tenant), what the node's local accounts may be trusted with, and the single
+    tenant's retention budget."""
 
     tenants: str
     allow_shm_names: bool
     trust_local_accounts: bool
+    retained_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class MasterSettings:
     lease_ttl_ms: int
     peer_networks: tuple[str, ...]
     timeout: float
+    max_soft_pin_ms: int = 86_400_000  # the embedded master's --max_kv_soft_pin_ttl
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class ServiceSettings:
     session_ttl: float
     max_lookup_hashes: int
     max_message_bytes: int
+    max_retention_seconds: float = 86400.0
 
 
 @dataclass(frozen=True)
@@ -120,9 +125,19 @@ def settings_of(config: Config) -> Settings:
     c = config
     return Settings(
         socket=SocketSettings(c.socket, c.socket_mode, c.socket_group, c.socket == default_socket_path()),
-        tenancy=TenancySettings(c.tenants, c.allow_shm_names, c.trust_local_accounts),
+        tenancy=TenancySettings(
+            c.tenants,
+            c.allow_shm_names,
+            c.trust_local_accounts,
+            c.segment_size // 2 if c.retained_bytes < 0 else c.retained_bytes,
+        ),
         master=MasterSettings(
-            c.master, c.master_binary, c.master_lease_ttl_ms, tuple(c.peer_network), c.master_timeout
+            c.master,
+            c.master_binary,
+            c.master_lease_ttl_ms,
+            tuple(c.peer_network),
+            c.master_timeout,
+            math.ceil(c.max_retention_seconds * 1000),
         ),
         store=StoreSettings(
             local_hostname=c.local_hostname,
@@ -150,7 +165,13 @@ def settings_of(config: Config) -> Settings:
             max_registered_bytes_per_account=c.max_registered_bytes_per_account,
         ),
         service=ServiceSettings(
-            c.workers, c.lookup_workers, c.lookups_per_account, c.session_ttl, c.max_lookup_hashes, c.max_message_bytes
+            c.workers,
+            c.lookup_workers,
+            c.lookups_per_account,
+            c.session_ttl,
+            c.max_lookup_hashes,
+            c.max_message_bytes,
+            c.max_retention_seconds,
         ),
         servers=ServerSettings(
             socket=c.socket,

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
+from kvsidecar.datapath.retention import Retainer, RetentionPlan
 from kvsidecar.datapath.retries import RetryPolicy, retry_transient
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
@@ -25,7 +26,8 @@ from kvsidecar.reasons import Reason
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
-from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, SaveArgs, SaveOutcome
+from kvsidecar.tenancy.retention import RetentionLedger
+from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, RetentionArgs, SaveArgs, SaveOutcome
 from kvsidecar_contract.limits import MAX_HASHES
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
@@ -59,10 +61,12 @@ class DataPath:
         events: StoreEvents = NO_EVENTS,
         max_lookup_hashes: int = MAX_HASHES,
         retries: RetryPolicy | None = None,
+        retention: Retainer | None = None,
     ) -> None:
         """budget_of gives a tenant's write budget; events hears of every value written and every reset (KV events
         for routers); max_lookup_hashes bounds one Lookup's work (--max-lookup-hashes); retries says how a load tries
-        again what the store failed transiently."""
+        again what the store failed transiently; retention keeps what requests ask ahead of ordinary cache (by
+        default nothing: no tenant has a budget)."""
         self.store = store
         self.max_lookup_hashes = max_lookup_hashes
         self.metrics = metrics
@@ -70,6 +74,7 @@ class DataPath:
         self._budget_of = budget_of
         self.events = events
         self.retries = retries or RetryPolicy()
+        self.retention = retention or Retainer(store, RetentionLedger(lambda tenant: 0, max_seconds=1.0), metrics)
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -96,6 +101,7 @@ class DataPath:
         plans: list[tuple[int, SavePlan]] = []
         for i, r in enumerate(requests):
             try:
+                self.retention.check(session, r.retention)
                 plan = save_plan(session.geometry, r.hashes, r.block_ids, r.num_tokens, r.saved)
             except Exception as exc:
                 out[i] = exc
@@ -114,7 +120,14 @@ class DataPath:
                     except Exception as exc:
                         out[i] = exc
                 chunks = [c for _, plan in staged for c in plan.chunks]
-                results = self._put_missing(session, mover, chunks, deadline) if chunks else []
+                wants = (
+                    [requests[i].retention for i, plan in staged for _ in plan.chunks]
+                    if any(r.retention is not None for r in requests)
+                    else [None] * len(chunks)
+                )
+                results, kept = (
+                    self._put_missing(session, mover, chunks, deadline, wants) if chunks else ([], RetentionPlan())
+                )
             start = 0
             for i, plan in staged:
                 end = start + len(plan.chunks)
@@ -122,7 +135,9 @@ class DataPath:
                     out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
                 else:
                     mine = results[start:end]
-                    out[i] = save_outcome(self.metrics, session, memory, plan, mine)
+                    retained, unretained = kept.counts(start, end, lambda j: results[j] is Saved.WRITTEN)
+                    outcome = save_outcome(self.metrics, session, memory, plan, mine)
+                    out[i] = outcome._replace(retained=retained, unretained=unretained)
                     r = requests[i]
                     written = [c for c, result in zip(plan.chunks, mine, strict=True) if result is Saved.WRITTEN]
                     self.events.stored(session.tenant, session.geometry, r.hashes, written, r.tokens, r.tokens_start)
@@ -135,8 +150,10 @@ class DataPath:
         mover: Mover,
         chunks: Sequence[Chunk],
         deadline: float | None,
-    ) -> list[ChunkResult] | StoreCode:
-        """Per chunk: PRESENT (already stored), WRITTEN, or why its write failed; a StoreCode if none was asked."""
+        wants: Sequence[RetentionArgs | None],
+    ) -> tuple[list[ChunkResult] | StoreCode, RetentionPlan]:
+        """Per chunk: PRESENT (already stored), WRITTEN, or why its write failed; a StoreCode if none was asked.
+        With the retention each chunk's request asked, and what became of it."""
         memory = mover.memory
         keys = [c.key for c in chunks]
         try:
@@ -144,7 +161,8 @@ class DataPath:
                 presence = self.store.exists(keys)
         except StoreError as exc:
             self.metrics.store_errors.labels("exists", exc.code.value).inc()
-            return exc.code
+            return exc.code, RetentionPlan()
+        kept = self.retention.plan(session, memory, chunks, wants, presence)
         results: list[ChunkResult] = [Saved.PRESENT] * len(chunks)
         # A key twice in one batch (two requests of a step computing the same prefix) is written once, and its
         # repeat shares the outcome: the bytes behind one key are the same whichever block holds them.
@@ -174,7 +192,7 @@ class DataPath:
             codes = [StoreCode.NO_SPACE] * len(todo)
         elif todo:
             with self._timed("put"):
-                codes = mover.put([keys[j] for j in todo], [chunks[j] for j in todo])
+                codes = mover.put([keys[j] for j in todo], [chunks[j] for j in todo], kept.pins(todo))
             self.backoff.record(StoreCode.NO_SPACE in codes)
             if _past(deadline):
                 codes = self._revoke([keys[j] for j in todo], codes)
@@ -183,7 +201,8 @@ class DataPath:
             results[j] = Saved.WRITTEN if code in (StoreCode.OK, StoreCode.EXISTS) else Reason.of(code)
         for j, f in repeats:
             results[j] = results[f]
-        return results
+        self.retention.settle(kept, lambda j: results[j] is Saved.WRITTEN)
+        return results, kept
 
     def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
@@ -250,6 +269,7 @@ class DataPath:
         planned: list[tuple[int, list[Chunk], list[Chunk]]] = []  # (request, its chunks, its NO_BLOCK chunks)
         for i, r in enumerate(requests):
             try:
+                self.retention.check(session, r.retention)
                 plan = load_plan(session.geometry, r.hashes, r.block_ids, r.hit_tokens, r.tails, r.start_tokens)
             except Exception as exc:
                 out[i] = exc
@@ -273,32 +293,39 @@ class DataPath:
         start = 0
         for i, reads, nowhere in staged:
             end = start + len(reads)
-            out[i] = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
+            out[i] = outcome = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
+            want = requests[i].retention
+            if want is not None:
+                read = [c for c, code in zip(reads, codes[start:end], strict=True) if code is StoreCode.OK]
+                retained, unretained = self.retention.touch(session, memory, read, want)
+                out[i] = outcome._replace(retained=retained, unretained=unretained)
             start = end
         return _filled(out)
 
     def _get(self, mover: Mover, chunks: Sequence[Chunk], deadline: float | None) -> list[StoreCode]:
-        """Each chunk's read into its block; a key read into two blocks (two requests of a step sharing a prefix)
-        is read again in a second batch, so that no batch names a key twice. A transient failure is read again
-        while the deadline allows."""
+        """Each chunk's read into its block; a key read into n blocks (n requests of a step sharing a prefix) is
+        read in n batches, its k-th block in the k-th, so that no batch names a key twice: Mooncake fills only the
+        last of a key's places in one batch and reports every one read. A transient failure is read again while the
+        deadline allows."""
         codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
-        seen: set[str] = set()
-        firsts: list[int] = []
-        repeats: list[int] = []
+        seen: dict[str, int] = {}
+        rounds: list[list[int]] = []
         for j, c in enumerate(chunks):
-            (repeats if c.key in seen else firsts).append(j)
-            seen.add(c.key)
+            k = seen.get(c.key, 0)
+            seen[c.key] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(j)
 
         def read(batch: Sequence[int]) -> list[StoreCode]:
             with self._timed("get"):
                 return mover.get([chunks[j].key for j in batch], [chunks[j] for j in batch])
 
         retried = self.metrics.store_retries.labels
-        for batch in (firsts, repeats):
-            if batch:
-                got = retry_transient(read, batch, self.retries, deadline, lambda c, n: retried("get", c.value).inc(n))
-                for j, code in zip(batch, got, strict=True):
-                    codes[j] = code
+        for batch in rounds:
+            got = retry_transient(read, batch, self.retries, deadline, lambda c, n: retried("get", c.value).inc(n))
+            for j, code in zip(batch, got, strict=True):
+                codes[j] = code
         return codes
 
     def reset(self, session: Session) -> int:
@@ -309,6 +336,7 @@ class DataPath:
         prefix = key_prefix(layout.model, layout.cache_prefix)
         with self._timed("remove"):
             removed = self.store.remove_prefix(prefix, KEY_TAIL_PATTERN)
+        self.retention.forget_prefix(prefix)
         self.events.cleared(session.tenant, prefix)
         return removed
 

@@ -8,9 +8,10 @@ from typing import Protocol
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.store import StoreCode
+from kvsidecar.store.base import Pin
 from kvsidecar_contract.placement import Chunk
 
-__all__ = ["Mover", "check_chunks", "count_failure"]
+__all__ = ["Mover", "by_pin", "check_chunks", "count_failure"]
 
 
 class Mover(Protocol):
@@ -22,9 +23,12 @@ class Mover(Protocol):
     def check(self, chunks: Sequence[Chunk]) -> None:
         """Raise BadRequest unless every chunk names a block (and value part) of the memory: before anything moves."""
 
-    def put(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
-        """Write each checked chunk's value under its key; one code per chunk (a store call that failed whole
-        gives its code to each of its chunks). Returns once the blocks may be reused."""
+    def put(
+        self, keys: Sequence[str], chunks: Sequence[Chunk], pins: Sequence[Pin | None] | None = None
+    ) -> list[StoreCode]:
+        """Write each checked chunk's value under its key, kept as pins says (per chunk; None: all ordinary cache);
+        one code per chunk (a store call that failed whole gives its code to each of its chunks). Returns once the
+        blocks may be reused."""
         ...
 
     def get(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
@@ -46,3 +50,13 @@ def check_chunks(memory: SessionMemory, chunks: Sequence[Chunk]) -> None:
 def count_failure(metrics: Metrics, operation: str, code: StoreCode) -> None:
     """A store call that failed as a whole, counted for operators."""
     metrics.store_errors.labels(operation, code.value).inc()
+
+
+def by_pin(pins: Sequence[Pin | None] | None, members: Sequence[int]) -> list[tuple[Pin | None, list[int]]]:
+    """members grouped by the pin each asks for, in order of first appearance: one batch put per pin."""
+    if pins is None:
+        return [(None, list(members))]
+    groups: dict[Pin | None, list[int]] = {}
+    for m in members:
+        groups.setdefault(pins[m], []).append(m)
+    return list(groups.items())

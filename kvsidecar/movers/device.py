@@ -44,12 +44,12 @@ from typing import Any
 from kvsidecar.errors import BadRequest, DeviceUnavailable, StoreError
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
-from kvsidecar.movers.base import check_chunks, count_failure
+from kvsidecar.movers.base import by_pin, check_chunks, count_failure
 from kvsidecar.movers.plans import ValueViews
 from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.movers.staging import ALIGN, Slot
 from kvsidecar.store import Store, StoreCode
-from kvsidecar.store.base import Replica
+from kvsidecar.store.base import Pin, Replica
 from kvsidecar_contract.placement import Chunk
 
 __all__ = ["COPY_BYTES", "DeviceMover", "rounds"]
@@ -154,25 +154,32 @@ class DeviceMover:
             self._runtime.fail(reason)
             raise DeviceUnavailable(f"the daemon's GPU path failed ({reason}); restart the daemon") from exc
 
-    def put(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
-        """Gather each round into staging, wait for it, put it from there; one code per chunk."""
+    def put(
+        self, keys: Sequence[str], chunks: Sequence[Chunk], pins: Sequence[Pin | None] | None = None
+    ) -> list[StoreCode]:
+        """Gather each round into staging, wait for it, put it from there (one put per pin asked); one code per
+        chunk."""
         sizes = [self.memory.part_bytes[c.group][c.part] for c in chunks]
-        codes: list[StoreCode] = []
+        codes = [StoreCode.OK] * len(chunks)
         with self._slot() as slot:
             base = int(slot.staging.data_ptr())
             for batch in rounds(sizes, slot.staging_bytes):
                 places = self._gather(slot, chunks, sizes, batch)
                 slot.synchronize()  # the store's copies read staging on a thread of their own
-                try:
-                    codes += self._store.put_from(
-                        [keys[m] for m in batch],
-                        [[base + places[m]] for m in batch],
-                        [[sizes[m]] for m in batch],
-                        device=True,
-                    )
-                except StoreError as exc:
-                    count_failure(self._metrics, "put", exc.code)
-                    codes += [exc.code] * len(batch)
+                for pin, these in by_pin(pins, batch):
+                    try:
+                        got = self._store.put_from(
+                            [keys[m] for m in these],
+                            [[base + places[m]] for m in these],
+                            [[sizes[m]] for m in these],
+                            device=True,
+                            pin=pin,
+                        )
+                    except StoreError as exc:
+                        count_failure(self._metrics, "put", exc.code)
+                        got = [exc.code] * len(these)
+                    for m, code in zip(these, got, strict=True):
+                        codes[m] = code
         return codes
 
     def _gather(self, slot: Slot, chunks: Sequence[Chunk], sizes: Sequence[int], batch: list[int]) -> dict[int, int]:

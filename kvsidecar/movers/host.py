@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from kvsidecar.errors import StoreError
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
-from kvsidecar.movers.base import check_chunks, count_failure
+from kvsidecar.movers.base import by_pin, check_chunks, count_failure
 from kvsidecar.store import Store, StoreCode
+from kvsidecar.store.base import Pin
 from kvsidecar_contract.placement import Chunk
 
 __all__ = ["HostMover"]
@@ -39,14 +40,23 @@ class HostMover:
         """Raise BadRequest unless every chunk names a block of the memory."""
         check_chunks(self.memory, chunks)
 
-    def put(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
-        """One batch put straight from the blocks' slices."""
+    def put(
+        self, keys: Sequence[str], chunks: Sequence[Chunk], pins: Sequence[Pin | None] | None = None
+    ) -> list[StoreCode]:
+        """One batch put per pin asked, straight from the blocks' slices."""
         addresses, sizes = self._buffers(chunks)
-        try:
-            return self._store.put_from(keys, addresses, sizes)
-        except StoreError as exc:
-            count_failure(self._metrics, "put", exc.code)
-            return [exc.code] * len(keys)
+        codes = [StoreCode.OK] * len(keys)
+        for pin, these in by_pin(pins, range(len(keys))):
+            try:
+                got = self._store.put_from(
+                    [keys[n] for n in these], [addresses[n] for n in these], [sizes[n] for n in these], pin=pin
+                )
+            except StoreError as exc:
+                count_failure(self._metrics, "put", exc.code)
+                got = [exc.code] * len(these)
+            for n, code in zip(these, got, strict=True):
+                codes[n] = code
+        return codes
 
     def get(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
         """One batch get straight into the blocks' slices."""

@@ -26,6 +26,7 @@ from kvsidecar.fence.guard import Listener
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.gates import AccountGates
+from kvsidecar.rpc.retention import drop_response, usage_messages
 from kvsidecar.rpc.statuses import SESSION_ERRORS, status_of
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import StoreHealth
@@ -281,7 +282,9 @@ class Handlers:
             # A tenant sees its own sessions and counters only: others' traffic says what they serve.
             summaries = [s for s in summaries if s.tenant in scope.tenants]
             counters = self.metrics.tenant_totals(set(scope.tenants))
-        return wire.stats_response(
+        # Retention per tenant it may see: every tenant of the file (or the single tenant "") for an admin.
+        retaining = set(self.tenancy.table.tenant_names() or [""]) if scope.admin else set(scope.tenants)
+        response = wire.stats_response(
             time.monotonic() - self._started,
             self.health,
             self.master_address,
@@ -293,6 +296,14 @@ class Handlers:
             self._gpu(),
             self._gpu_failure(),
         )
+        retention = self.datapath.retention
+        response.retention.extend(usage_messages(retaining, retention.usage(), retention.ledger.budget))
+        return response
+
+    @handles("DropRetention")
+    def drop_retention(self, request: pb.DropRetentionRequest, call: Call) -> pb.DropRetentionResponse:
+        self.tenancy.check_operator(call.caller(), "DropRetention")
+        return drop_response(self.datapath.retention.drop(request.tenant))
 
     def _answers(
         self,

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from kvsidecar import __version__
 from kvsidecar.errors import BadRequest
 from kvsidecar.fence.guard import Listener
+from kvsidecar.rpc.retention import retention_args
 from kvsidecar.store import StoreHealth
 from kvsidecar.values import (
     CudaHandle,
@@ -246,6 +247,7 @@ def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs
         req.saved_tokens,
         req.token_ids,
         req.token_ids_start,
+        retention_args(req),
     )
 
 
@@ -278,6 +280,7 @@ def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs
         req.hit_tokens,
         list(req.tail_boundaries),
         req.start_tokens,
+        retention_args(req),
     )
 
 
@@ -343,6 +346,8 @@ def save_response(out: SaveOutcome) -> pb.SaveResponse:
         bytes_written=out.bytes_written,
         failures=failures(out.failures),
         absent=out.absent,
+        retained=out.retained,
+        unretained=out.unretained,
     )
 
 
@@ -355,7 +360,13 @@ def lookup_response(out: LookupOutcome) -> pb.LookupResponse:
 
 def load_response(out: LoadOutcome) -> pb.LoadResponse:
     """What a load did."""
-    return pb.LoadResponse(loaded=out.loaded, bytes_loaded=out.bytes_loaded, failures=failures(out.failures))
+    return pb.LoadResponse(
+        loaded=out.loaded,
+        bytes_loaded=out.bytes_loaded,
+        failures=failures(out.failures),
+        retained=out.retained,
+        unretained=out.unretained,
+    )
 
 
 def reset_response(removed: int) -> pb.ResetResponse:

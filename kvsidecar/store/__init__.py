@@ -5,7 +5,7 @@ which of its builds is installed (build).
 Imports: errors; mooncake.
 """
 
-from kvsidecar.store.base import Presence, Store, StoreHealth, StoreUnavailable
+from kvsidecar.store.base import Pin, Presence, Store, StoreHealth, StoreUnavailable
 from kvsidecar.store.codes import StoreCode
 
-__all__ = ["Presence", "Store", "StoreCode", "StoreHealth", "StoreUnavailable"]
+__all__ = ["Pin", "Presence", "Store", "StoreCode", "StoreHealth", "StoreUnavailable"]

@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 from kvsidecar.errors import StoreError
 from kvsidecar.store.codes import Presence, StoreCode
 
-__all__ = ["Presence", "Replica", "Store", "StoreHealth", "StoreUnavailable", "check_batch_shapes"]
+__all__ = ["Pin", "Presence", "Replica", "Store", "StoreHealth", "StoreUnavailable", "check_batch_shapes"]
 
 
 class StoreUnavailable(StoreError):
@@ -30,6 +30,15 @@ class Replica(NamedTuple):
 
     address: int
     size: int
+
+
+class Pin(NamedTuple):
+    """How the store keeps a value ahead of ordinary cache: a soft pin for ttl_ms from when the value is written
+    (evicted only when ordinary values cannot make room, and ordinary again after its time), or a hard pin (never
+    evicted, until the value is made ordinary again). Where a pin is asked for, None is ordinary cache."""
+
+    ttl_ms: int = 0
+    hard: bool = False
 
 
 class Store(Protocol):
@@ -57,12 +66,22 @@ class Store(Protocol):
         sizes: Sequence[Sequence[int]],
         *,
         device: bool = False,
+        pin: Pin | None = None,
     ) -> list[StoreCode]:
-        """One batch put; an existing key keeps its old value and reports OK.
+        """One batch put; an existing key keeps its old value (and its pin: see `pin`) and reports OK.
 
         device: the buffers are GPU memory (the device path's staging), which Mooncake's CUDA build reads itself;
         what must read the bytes on the CPU (the disk tier's write-behind) takes them from the stored replica.
+        pin: the new values are kept ahead of ordinary cache so (None: ordinary cache).
         """
+        ...
+
+    def pin(
+        self, keys: Sequence[str], sizes: Sequence[int], pin: Pin | None, *, hard_before: bool = False
+    ) -> list[StoreCode]:
+        """Give stored values of these sizes another pin, keeping their bytes: a soft pin's time starts again from
+        now, None makes them ordinary cache; hard_before: they are hard-pinned now. NOT_FOUND for a value no longer
+        there; a value another writer replaced meanwhile may be re-written with the bytes read here."""
         ...
 
     def get_into(

@@ -8,20 +8,21 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvsidecar.errors import StoreError
-from kvsidecar.store.base import Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
+from kvsidecar.store.base import Pin, Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
 from kvsidecar.store.codes import StoreCode, presence_of_failure
 
 __all__ = ["OPERATIONS", "Fault", "MemoryStore", "Operation"]
 
-Operation = str  # "exists", "put" or "get"
-OPERATIONS = frozenset({"exists", "put", "get"})
+Operation = str  # "exists", "put", "get" or "pin"
+OPERATIONS = frozenset({"exists", "put", "get", "pin"})
 # Decides, per operation and key, a code to force instead of doing the work (None: do it). It may also raise
 # StoreError / StoreUnavailable to fail the whole call, as an unreachable master would.
 Fault = Callable[[Operation, str], StoreCode | None]
 
 
 class MemoryStore:
-    """A thread-safe dict of values with Mooncake's semantics: put keeps an existing value, get checks sizes."""
+    """A thread-safe dict of values with Mooncake's semantics: put keeps an existing value (and its pin), get checks
+    sizes, a value's pin changes only through `pin`. Nothing is evicted: a full store refuses puts (NO_SPACE)."""
 
     def __init__(self, capacity_bytes: int | None = None, *, require_registration: bool = False) -> None:
         """capacity_bytes makes puts beyond it fail with NO_SPACE; require_registration rejects unregistered memory."""
@@ -31,6 +32,7 @@ class MemoryStore:
         self._require_registration = require_registration
         self._lock = threading.Lock()
         self._values: dict[str, bytes] = {}
+        self._pins: dict[str, Pin] = {}  # the pin each pinned value was given (a soft pin's time is not kept)
         self._used = 0
         self._registered: dict[int, int] = {}
         self._fault: Fault | None = None
@@ -70,6 +72,11 @@ class MemoryStore:
         """The bytes stored under key, or None."""
         with self._lock:
             return self._values.get(key)
+
+    def pin_of(self, key: str) -> Pin | None:
+        """The pin key's value was last given (None: ordinary cache, or no value)."""
+        with self._lock:
+            return self._pins.get(key)
 
     def keys(self) -> list[str]:
         """All stored keys, sorted."""
@@ -119,13 +126,37 @@ class MemoryStore:
         sizes: Sequence[Sequence[int]],
         *,
         device: bool = False,
+        pin: Pin | None = None,
     ) -> list[StoreCode]:
-        """One batch put; an existing key keeps its old value and reports OK. It reads every buffer on the CPU:
-        device buffers are those of the device path standing in for a GPU's (host memory)."""
+        """One batch put; an existing key keeps its old value and pin and reports OK. It reads every buffer on the
+        CPU: device buffers are those of the device path standing in for a GPU's (host memory)."""
         check_batch_shapes(keys, addresses, sizes)
         with self._lock:
             self._check_open()
-            return [self._put_one(key, a, s) for key, a, s in zip(keys, addresses, sizes, strict=True)]
+            return [self._put_one(key, a, s, pin) for key, a, s in zip(keys, addresses, sizes, strict=True)]
+
+    def pin(
+        self, keys: Sequence[str], sizes: Sequence[int], pin: Pin | None, *, hard_before: bool = False
+    ) -> list[StoreCode]:
+        """Each stored value of its size gets the pin (None: ordinary); NOT_FOUND where it is not there."""
+        if len(sizes) != len(keys):
+            raise StoreError(StoreCode.INVALID_PARAMS, f"{len(keys)} keys but {len(sizes)} sizes")
+        with self._lock:
+            self._check_open()
+            out = []
+            for key, size in zip(keys, sizes, strict=True):
+                forced = self._forced("pin", key)
+                value = self._values.get(key)
+                if forced is not None:
+                    out.append(forced)
+                elif value is None:
+                    out.append(StoreCode.NOT_FOUND)
+                elif len(value) != size:
+                    out.append(StoreCode.SIZE_MISMATCH)
+                else:
+                    self._set_pin(key, pin)
+                    out.append(StoreCode.OK)
+            return out
 
     def get_into(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -153,6 +184,7 @@ class MemoryStore:
             out = []
             for key in keys:
                 value = self._values.pop(key, None)
+                self._pins.pop(key, None)
                 if value is None:
                     out.append(StoreCode.NOT_FOUND)
                 else:
@@ -174,6 +206,7 @@ class MemoryStore:
             ]
             for key in doomed:
                 self._used -= len(self._values.pop(key))
+                self._pins.pop(key, None)
             return len(doomed)
 
     def tiers(self, keys: Sequence[str]) -> list[str]:
@@ -206,6 +239,7 @@ class MemoryStore:
         with self._lock:
             self._closed = True
             self._values.clear()
+            self._pins.clear()
             self._registered.clear()
             self._used = 0
 
@@ -230,7 +264,13 @@ class MemoryStore:
             for a, s in zip(addresses, sizes, strict=True)
         )
 
-    def _put_one(self, key: str, addresses: Sequence[int], sizes: Sequence[int]) -> StoreCode:
+    def _set_pin(self, key: str, pin: Pin | None) -> None:
+        if pin is None:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = pin
+
+    def _put_one(self, key: str, addresses: Sequence[int], sizes: Sequence[int], pin: Pin | None) -> StoreCode:
         forced = self._forced("put", key)
         if forced is not None:
             return forced
@@ -242,6 +282,7 @@ class MemoryStore:
         if self._capacity is not None and self._used + total > self._capacity:
             return StoreCode.NO_SPACE
         self._values[key] = b"".join(ctypes.string_at(a, s) for a, s in zip(addresses, sizes, strict=True))
+        self._set_pin(key, pin)
         self._used += total
         return StoreCode.OK
 

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvsidecar.errors import StoreError
-from kvsidecar.store.base import Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
+from kvsidecar.store.base import Pin, Presence, Replica, StoreHealth, StoreUnavailable, check_batch_shapes
 from kvsidecar.store.codes import SUCCESS, Health, StoreCode, from_mooncake, presence_from_mooncake
+from kvsidecar.store.pins import Scratch, replicate_config, rewrite
 from kvsidecar.store.prefault import SegmentPrefault, locate_segment
 from kvsidecar.store.setup_output import quiet_setup
 
@@ -108,11 +109,14 @@ def prefix_regex(prefix: str) -> str:
 class MooncakeStore:
     """A Store backed by one MooncakeDistributedStore client."""
 
-    def __init__(self, native: Any, settings: MooncakeSettings, replicate_config: Any) -> None:
-        """Wrap a client whose setup() has already succeeded; use connect() to build one."""
+    def __init__(self, native: Any, settings: MooncakeSettings, config_type: Any) -> None:
+        """Wrap a client whose setup() has already succeeded (config_type: Mooncake's ReplicateConfig); use
+        connect() to build one."""
         self._native: Any = native
         self._settings = settings
-        self._replicate_config = replicate_config
+        self._config_type = config_type
+        self._replicate_config = replicate_config(config_type, settings.replica_num, None)
+        self._scratch = Scratch()  # where values are read to be written back with another pin
         self._lifetime = threading.Condition()
         self._in_flight = 0
         self._closed = False
@@ -159,9 +163,7 @@ class MooncakeStore:
             # A failed setup leaves an object whose close() is safe (measured) and releases its threads.
             native.close()
             raise StoreUnavailable(_setup_failure_reason(rc, settings))
-        config = ReplicateConfig()
-        config.replica_num = settings.replica_num
-        store = cls(native, settings, config)
+        store = cls(native, settings, ReplicateConfig)
         if settings.global_segment_size:
             try:
                 store._segment = locate_segment(store._call, settings.global_segment_size, ReplicateConfig)
@@ -255,21 +257,37 @@ class MooncakeStore:
         sizes: Sequence[Sequence[int]],
         *,
         device: bool = False,
+        pin: Pin | None = None,
     ) -> list[StoreCode]:
-        """One batch put; an existing key keeps its old value and reports OK (device buffers: the CUDA build reads
-        them with cudaMemcpy, one per buffer)."""
+        """One batch put; an existing key keeps its old value and its pin, and reports OK (device buffers: the CUDA
+        build reads them with cudaMemcpy, one per buffer)."""
         check_batch_shapes(keys, addresses, sizes)
         if not keys:
             self._ensure_open()
             return []
+        config = self._replicate_config if pin is None else self._config(pin)
         codes = self._call(
             "batch_put_from_multi_buffers",
-            lambda n: n.batch_put_from_multi_buffers(
-                _list(keys), _lists(addresses), _lists(sizes), self._replicate_config
-            ),
+            lambda n: n.batch_put_from_multi_buffers(_list(keys), _lists(addresses), _lists(sizes), config),
         )
         _check_result_length("batch_put_from_multi_buffers", codes, keys)
         return [from_mooncake(code) for code in codes]
+
+    def pin(
+        self, keys: Sequence[str], sizes: Sequence[int], pin: Pin | None, *, hard_before: bool = False
+    ) -> list[StoreCode]:
+        """Each value read into scratch memory and written back with its new pin (store/pins.py says why)."""
+        if len(sizes) != len(keys):
+            raise StoreError(StoreCode.INVALID_PARAMS, f"{len(keys)} keys but {len(sizes)} sizes")
+        if not keys:
+            self._ensure_open()
+            return []
+        replace = hard_before or (pin is not None and pin.hard)
+        config = self._config(pin, clear=not replace)
+        return rewrite(self._call, self._scratch, list(keys), list(sizes), config, replace=replace)
+
+    def _config(self, pin: Pin | None, *, clear: bool = False) -> Any:
+        return replicate_config(self._config_type, self._settings.replica_num, pin, clear=clear)
 
     def get_into(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]

@@ -1,7 +1,9 @@
-"""The daemon's live tenancy: the tenants file (reloaded on SIGHUP), write budgets, and every grant and refusal.
+"""The daemon's live tenancy: the tenants file (reloaded on SIGHUP), write and retention budgets, and every grant and
+refusal.
 
-The servicer asks here and only here whether a caller may open a session, reset a prefix or read Stats, and what
-rights a session gets; refusals are counted here too (as nano-vllm's scheduler asks its block manager).
+The servicer asks here and only here whether a caller may open a session, reset a prefix, read Stats or act as an
+operator, and what rights a session gets; refusals are counted here too (as nano-vllm's scheduler asks its block
+manager).
 """
 
 from __future__ import annotations
@@ -66,8 +68,12 @@ class Tenancy:
         *,
         tickets: Tickets | None = None,
         allow_shm_names: bool = False,
+        retained_bytes: int = 0,
     ) -> None:
+        """retained_bytes is the single-tenant daemon's retention budget (--retained-bytes); with a tenants file each
+        tenant's own `retained_bytes` decides."""
         self.path = path
+        self._retained_bytes = retained_bytes
         self.tickets = tickets or Tickets()
         self._metrics = metrics
         self._allow_shm_names = allow_shm_names
@@ -118,6 +124,24 @@ class Tenancy:
             self._refused(NO_TENANT_LABEL)
             raise Forbidden(f"Stats: {caller.describe()} is no tenant's credential (tenants file {table.source})")
         return StatsScope(False, mine)
+
+    def check_operator(self, caller: Caller, what: str) -> None:
+        """Forbidden (counted) unless the caller holds an operator credential (every peer, single-tenant)."""
+        table = self.table
+        if not table.operator(caller):
+            self._refused(self.label(caller))
+            raise Forbidden(
+                f"{what}: {caller.describe()} is no operator's credential (operator = true in tenants file "
+                f"{table.source})"
+            )
+
+    def retention_budget(self, tenant: str) -> int:
+        """The bytes a tenant's requests may keep ahead of ordinary cache (docs/retention.md)."""
+        table = self.table
+        if table.single:
+            return self._retained_bytes
+        entry = table.by_name.get(tenant)
+        return entry.retained_bytes if entry is not None else 0
 
     def budget(self, tenant: str) -> WriteBudget | None:
         """The tenant's write budget, if it has one."""

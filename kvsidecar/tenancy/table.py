@@ -11,11 +11,14 @@ Pure: parsing a TOML text and matching credentials; reading the file and reloadi
     models = ["Llama-3*"]              # optional: the models it may open sessions for (default: any), matched
                                        # against what keys carry: the model name's last path component
     admin = false                      # Stats shows every tenant
+    operator = false                   # may pin hard and drop any tenant's retentions (docs/retention.md)
     shm_names = false                  # may register /dev/shm names (trusted ranks only; see docs/security.md)
     write_bytes_per_second = "64MiB"   # optional write budget, with a burst
     write_burst_bytes = "256MiB"
     max_registered_bytes = "256GiB"    # optional: host memory its sessions may register (default: the daemon's
                                        # --max-registered-bytes-per-account)
+    retained_bytes = "8GiB"            # optional: what its requests may keep ahead of ordinary cache (default 0:
+                                       # nothing; docs/retention.md)
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ _KEYS = {
     "write_bytes_per_second",
     "write_burst_bytes",
     "max_registered_bytes",
+    "operator",
+    "retained_bytes",
 }
 
 
@@ -113,6 +118,8 @@ class Tenant:
     shm_names: bool = False
     budget: Budget | None = None
     max_registered_bytes: int | None = None  # None: the daemon's per-account cap
+    operator: bool = False  # may pin hard and drop retentions
+    retained_bytes: int = 0  # its retention budget
 
     def matches(self, caller: Caller) -> bool:
         """Whether the caller holds one of this tenant's credentials."""
@@ -181,6 +188,10 @@ class TenantTable:
         """Whether the caller sees every tenant (always, single-tenant)."""
         return self.single or any(t.admin for t in self.of(caller))
 
+    def operator(self, caller: Caller) -> bool:
+        """Whether the caller may pin hard and drop retentions (always, single-tenant: every socket peer is trusted)."""
+        return self.single or any(t.operator for t in self.of(caller))
+
     def tenant_names(self) -> list[str]:
         """The names, for metric labels (bounded by the file)."""
         return [t.name for t in self.tenants]
@@ -243,6 +254,10 @@ def _tenant(name: str, body: object, source: str) -> Tenant:
     if not (uids or gids or tokens or subjects):
         raise ConfigError(f"{where}: needs a credential (uids, gids, tokens or cert_subjects)")
     admin = _bool(body.get("admin", False), f"{where}: admin")
+    operator = _bool(body.get("operator", False), f"{where}: operator")
+    retained = _size(body["retained_bytes"], f"{where}: retained_bytes") if "retained_bytes" in body else 0
+    if retained < 0:
+        raise ConfigError(f"{where}: retained_bytes must not be negative")
     shm_names = _bool(body.get("shm_names", False), f"{where}: shm_names")
     budget = None
     if "write_bytes_per_second" in body:
@@ -270,6 +285,8 @@ def _tenant(name: str, body: object, source: str) -> Tenant:
         shm_names=shm_names,
         budget=budget,
         max_registered_bytes=max_registered,
+        operator=operator,
+        retained_bytes=retained,
     )
 
 

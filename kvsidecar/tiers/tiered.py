@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kvsidecar.errors import StoreError
-from kvsidecar.store.base import Presence, Replica, Store, StoreHealth, check_batch_shapes
+from kvsidecar.store.base import Pin, Presence, Replica, Store, StoreHealth, check_batch_shapes
 from kvsidecar.store.codes import StoreCode, presence_of_failure
 from kvsidecar.tiers.engine import DiskEngine
 from kvsidecar.tiers.results import ReadResult
@@ -94,12 +94,14 @@ class TieredStore:
         sizes: Sequence[Sequence[int]],
         *,
         device: bool = False,
+        pin: Pin | None = None,
     ) -> list[StoreCode]:
-        """Put into DRAM and queue each stored (or DRAM-refused for space) value for the disk.
+        """Put into DRAM (pinned there as asked) and queue each stored (or DRAM-refused for space) value for the disk.
 
         The disk copies on the CPU: from device buffers (GPU memory) it copies DRAM's replica in this process's
-        segment instead, and a value DRAM holds elsewhere or refused is not written behind (counted)."""
-        codes = _per_key(lambda k, a, s: self.dram.put_from(k, a, s, device=device), keys, addresses, sizes)
+        segment instead, and a value DRAM holds elsewhere or refused is not written behind (counted). The disk
+        tier keeps its oldest writes out first, pinned or not: pins are DRAM's (docs/retention.md)."""
+        codes = _per_key(lambda k, a, s: self.dram.put_from(k, a, s, device=device, pin=pin), keys, addresses, sizes)
         if device:
             return self._behind_device(keys, codes)
         out = []
@@ -124,6 +126,12 @@ class TieredStore:
             else:
                 self.disk.enqueue(keys[j], [replica.address], [replica.size])
         return codes
+
+    def pin(
+        self, keys: Sequence[str], sizes: Sequence[int], pin: Pin | None, *, hard_before: bool = False
+    ) -> list[StoreCode]:
+        """DRAM's values get the pin; the disk's copies are what they were."""
+        return self.dram.pin(keys, sizes, pin, hard_before=hard_before)
 
     def get_into(
         self, keys: Sequence[str], addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]

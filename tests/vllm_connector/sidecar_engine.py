@@ -208,14 +208,17 @@ class Engine:
         max_tokens: int = 2,
         cache_salt: str | None = None,
         look_up: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Add a request; with `look_up`, ask the connector about it as vLLM's scheduler does and wait for the
         daemon's answer, so that the next step admits it with its hit (else the answer comes a step or more later).
+        `kv_transfer_params` reach the request as vLLM passes them (SamplingParams.extra_args).
         """
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=max_tokens),
+            sampling_params=SamplingParams(max_tokens=max_tokens, extra_args=extra),
             pooling_params=None,
             cache_salt=cache_salt,
             block_hasher=self.block_hasher,

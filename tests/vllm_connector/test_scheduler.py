@@ -7,6 +7,8 @@ memory, as after a restart or on another replica of the node: its hit can only c
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
@@ -184,3 +186,28 @@ def test_requests_of_one_step_share_one_save_call_and_one_load_call(vllm_env, ti
                         assert (g == w).all(), f"{name} block {index}: wrong bytes loaded"
     finally:
         warm.close()
+
+
+def test_a_requests_retention_comes_from_its_kv_transfer_params_or_the_engines_default(
+    vllm_env, tiny_model, daemon, cache_prefix
+):
+    from kvsidecar_client import Retention
+
+    extra = {"socket": daemon.target, "cache_prefix": cache_prefix, "retention": {"seconds": 60}}
+    asked = {"retention_directives": [{"start": 0, "end": 32, "priority": 80, "duration": 600}]}
+    cold = Engine.start(vllm_config(tiny_model, extra), kv_cache_config(LAYOUTS["full"]))
+    try:
+        cold.add("asked", PROMPT, kv_transfer_params=asked, look_up=True)
+        cold.add("default", [(t + 500) % 1000 for t in PROMPT], look_up=True)
+        cold.add("wrong", [(t + 700) % 1000 for t in PROMPT], kv_transfer_params={"retention_seconds": "soon"})
+        saves = {s.req_id: s.retention for o in cold.run_until("wrong") for s in o.kv_connector_metadata.saves}
+    finally:
+        cold.close()  # waits for the saves in flight
+    assert saves == {
+        "asked": Retention(600, 80, end_tokens=32),
+        "default": Retention(60),
+        "wrong": Retention(60),  # a request that gets them wrong keeps the default (and the log says why)
+    }
+    # The daemon keeps them: 2 boundaries of "asked", 5 of each of the others, within the single tenant's budget.
+    (usage,) = json.loads(daemon.status().stdout)["retention"]
+    assert usage["values"] >= 12, usage

@@ -201,7 +201,9 @@ class Engine:
     def close(self) -> None:
         """Shut the engine down and remove the /dev/shm files it made and left behind (vLLM CPU leaves its queues,
         semaphores and TP communicators there), so the next suite starts with nothing of this one's."""
-        engine = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.pids_before]
+        # Not multiprocessing's resource tracker, which the first engine starts: it lives as long as this process,
+        # and waiting for it cost every run 60 s.
+        engine = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.pids_before | _trackers()]
         mine = _shm_in_use({os.getpid(), *(p.pid for p in engine)}) - self.shm_before
         try:
             self.llm.llm_engine.engine_core.shutdown()
@@ -210,6 +212,16 @@ class Engine:
             for name in mine:  # created while this engine ran, by it: another suite's files are never touched
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"{SHM_DIR}/{name}")
+
+
+def _trackers() -> set[int]:
+    """This process's multiprocessing resource tracker, if it runs (its command line says what it is)."""
+    found = set()
+    for p in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if any("multiprocessing.resource_tracker" in arg for arg in p.cmdline()):
+                found.add(p.pid)
+    return found
 
 
 def _children() -> set[int]:

@@ -111,6 +111,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 load=transfer.is_kv_consumer,
                 save=transfer.is_kv_producer,
                 lookup_deadline=settings.deadlines.lookup,
+                retention=settings.retention,
             )
         else:
             self._worker = WorkerSide(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvsidecar_client.results import Hit
+from kvsidecar_client.retention import Retention
 
 __all__ = ["KVSidecarMetadata", "LoadSpec", "SaveSpec"]
 
@@ -30,6 +31,7 @@ class LoadSpec:
     start_tokens: int
     reads: tuple[tuple[int, ...], ...]
     refused: str = ""
+    retention: Retention | None = None  # what the hit keeps ahead of ordinary cache (the request's or the default)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class SaveSpec:
     # The request's tokens from token_ids_start on, covering every block this save writes (for the KV events).
     token_ids: tuple[int, ...] = ()
     token_ids_start: int = 0
+    retention: Retention | None = None  # what the save keeps ahead of ordinary cache (the request's or the default)
 
 
 @dataclass

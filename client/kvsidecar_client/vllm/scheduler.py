@@ -24,6 +24,7 @@ from kvsidecar_client.client import SidecarClient
 from kvsidecar_client.deadlines import DEFAULT_LOOKUP_TIMEOUT
 from kvsidecar_client.errors import SidecarError
 from kvsidecar_client.results import Hit
+from kvsidecar_client.retention import Retention, retention_of
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec
 from kvsidecar_client.vllm.plan import Spans, check_save, load_block_ids
 from kvsidecar_client.vllm.specs import EngineGroups
@@ -64,6 +65,7 @@ class _Tracked:
     had_saves: bool = False
     loading: bool = False
     known_blocks: frozenset[int] = field(default_factory=frozenset)
+    retention: Retention | None = None  # what its kv_transfer_params ask to keep (or the engine's default)
 
 
 class SchedulerSide:
@@ -82,7 +84,9 @@ class SchedulerSide:
         lookup_deadline: float = DEFAULT_LOOKUP_TIMEOUT,
         step_wait: float = LOOKUP_STEP_WAIT,
         idle_wait: float = LOOKUP_IDLE_WAIT,
+        retention: Retention | None = None,
     ) -> None:
+        """retention: the retention of requests whose kv_transfer_params ask for none (docs/retention.md)."""
         self._client = client
         self._stats = stats if stats is not None else StatsRecorder()
         self._groups = groups
@@ -91,6 +95,7 @@ class SchedulerSide:
         self._load = load
         self._save = save
         self._lookup_deadline = lookup_deadline
+        self._retention = retention
         self._step_wait = step_wait
         self._idle_wait = idle_wait
         self._wait_left = step_wait  # of this step's wait for lookups in flight
@@ -118,7 +123,7 @@ class SchedulerSide:
         """
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            tracked = self._tracked[request.request_id] = _Tracked(request)
+            tracked = self._tracked[request.request_id] = _Tracked(request, retention=self._retention_of(request))
         tracked.hit = None
         # A request admitted again (after a preemption) holds none of the blocks it held before.
         tracked.known_blocks = frozenset()
@@ -234,6 +239,7 @@ class SchedulerSide:
                 start_tokens=start,
                 reads=tuple(tuple(g) for g in reads),
                 refused=refused,
+                retention=tracked.retention,
             )
         )
         tracked.loading = True
@@ -319,7 +325,18 @@ class SchedulerSide:
             reads=check.reads,
             token_ids=tuple(request.all_token_ids[first:num_tokens]),
             token_ids_start=first,
+            retention=tracked.retention,
         )
+
+    def _retention_of(self, request: Any) -> Retention | None:
+        """What the request's kv_transfer_params ask to keep (vLLM's, Dynamo's or this client's names), else the
+        engine's default; a request that gets them wrong keeps the default, and the log says why."""
+        params = getattr(request, "kv_transfer_params", None)
+        try:
+            return retention_of(params, self._retention)
+        except SidecarError as error:
+            log.warning("kvsidecar: request %s: its retention is not used: %s", request.request_id, error)
+            return self._retention
 
     def take_stats(self) -> KVSidecarStats | None:
         """Lookups counted since the last call, or None."""

@@ -8,12 +8,13 @@ from typing import Any
 
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import InvalidRequest
+from kvsidecar_client.retention import Retention
 from kvsidecar_contract.paths import default_target
 from kvsidecar_contract.placement import InvalidLayout, check_share_across_tp
 
 __all__ = ["DEFAULT_WAIT_SLACK", "ConnectorSettings"]
 
-_KEYS = frozenset({"socket", "cache_prefix", "model_identity", "timeouts", "share_across_tp"})
+_KEYS = frozenset({"socket", "cache_prefix", "model_identity", "timeouts", "share_across_tp", "retention"})
 # How much longer than a save's own deadline the worker waits for it before vLLM may reuse its blocks: past the
 # deadline the daemon starts no put and removes what it wrote late, so the blocks are free again.
 DEFAULT_WAIT_SLACK = 5.0
@@ -34,6 +35,8 @@ class ConnectorSettings:
         (any TP size), an int N as a TP=N engine holds them (fewer, larger values; every TP size that shares must
         divide N). Every deployment that shares sets the same. Recurrent state is described from the model's config
         and checked against vLLM's MambaSpec (vllm/states.py); a model it cannot describe keeps it per layout.
+    retention: the retention of requests that ask for none in their kv_transfer_params ({"seconds", "priority",
+        "renew", "end_tokens"}: docs/retention.md); none by default.
     """
 
     socket: str = field(default_factory=default_target)
@@ -41,6 +44,7 @@ class ConnectorSettings:
     model_identity: str = ""
     deadlines: Deadlines = field(default_factory=Deadlines)
     share_across_tp: bool | int = False
+    retention: Retention | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -61,6 +65,14 @@ class ConnectorSettings:
             share = check_share_across_tp(extra.get("share_across_tp", False))
         except InvalidLayout as error:
             raise InvalidRequest(f"kv_connector_extra_config: {error}") from None
+        retention = extra.get("retention")
+        if retention is not None and not isinstance(retention, Mapping):
+            raise InvalidRequest(f"kv_connector_extra_config: retention must be an object, got {retention!r}")
         return cls(
-            socket=socket, cache_prefix=prefix, model_identity=pinned, deadlines=deadlines, share_across_tp=share
+            socket=socket,
+            cache_prefix=prefix,
+            model_identity=pinned,
+            deadlines=deadlines,
+            share_across_tp=share,
+            retention=None if retention is None else Retention.from_mapping(retention),
         )

@@ -155,7 +155,7 @@ class WorkerSide:
             return failed
         if event is not None:
             event.synchronize()  # blocks zeroed or copied this step are written before the daemon writes them
-        items = [LoadItem(s.req_id, s.block_hashes, s.block_ids, s.hit, s.start_tokens) for s in todo]
+        items = [LoadItem(s.req_id, s.block_hashes, s.block_ids, s.hit, s.start_tokens, s.retention) for s in todo]
         start = time.monotonic()
         try:
             results: Mapping[str, LoadResult | SidecarError] = self._client.load_batch(items)
@@ -203,7 +203,14 @@ class WorkerSide:
         """One SaveBatch for the specs; each request's `done` completes once the daemon stopped reading its blocks."""
         items = [
             SaveItem(
-                s.req_id, s.block_hashes, s.block_ids, s.num_tokens, s.saved_tokens, s.token_ids, s.token_ids_start
+                s.req_id,
+                s.block_hashes,
+                s.block_ids,
+                s.num_tokens,
+                s.saved_tokens,
+                s.token_ids,
+                s.token_ids_start,
+                s.retention,
             )
             for s in specs
         ]

@@ -294,7 +294,7 @@ class FailedBlock(_message.Message):
     def __init__(self, group: _Optional[int] = ..., block_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("session_id", "block_hashes", "block_ids", "num_tokens", "saved_tokens", "token_ids", "token_ids_start")
+    __slots__ = ("session_id", "block_hashes", "block_ids", "num_tokens", "saved_tokens", "token_ids", "token_ids_start", "retention")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class SaveRequest(_message.Message):
     SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_START_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -309,10 +310,25 @@ class SaveRequest(_message.Message):
     saved_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids_start: int
-    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_ids_start: _Optional[int] = ...) -> None: ...
+    retention: Retention
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_ids_start: _Optional[int] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
+
+class Retention(_message.Message):
+    __slots__ = ("seconds", "priority", "renew", "end_tokens", "hard")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
+    END_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HARD_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    priority: int
+    renew: bool
+    end_tokens: int
+    hard: bool
+    def __init__(self, seconds: _Optional[float] = ..., priority: _Optional[int] = ..., renew: _Optional[bool] = ..., end_tokens: _Optional[int] = ..., hard: _Optional[bool] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("written", "skipped", "failed", "striped_to_others", "bytes_written", "failures", "absent")
+    __slots__ = ("written", "skipped", "failed", "striped_to_others", "bytes_written", "failures", "absent", "retained", "unretained")
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +336,8 @@ class SaveResponse(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    UNRETAINED_FIELD_NUMBER: _ClassVar[int]
     written: int
     skipped: int
     failed: int
@@ -327,7 +345,9 @@ class SaveResponse(_message.Message):
     bytes_written: int
     failures: _containers.RepeatedCompositeFieldContainer[FailedBlock]
     absent: int
-    def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., striped_to_others: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ..., absent: _Optional[int] = ...) -> None: ...
+    retained: int
+    unretained: int
+    def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., striped_to_others: _Optional[int] = ..., bytes_written: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ..., absent: _Optional[int] = ..., retained: _Optional[int] = ..., unretained: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "block_hashes", "num_tokens", "eagle", "packed_block_hashes")
@@ -356,30 +376,36 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("session_id", "block_hashes", "block_ids", "hit_tokens", "tail_boundaries", "start_tokens")
+    __slots__ = ("session_id", "block_hashes", "block_ids", "hit_tokens", "tail_boundaries", "start_tokens", "retention")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
     START_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     hit_tokens: int
     tail_boundaries: _containers.RepeatedScalarFieldContainer[int]
     start_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., start_tokens: _Optional[int] = ...) -> None: ...
+    retention: Retention
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., start_tokens: _Optional[int] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("loaded", "bytes_loaded", "failures")
+    __slots__ = ("loaded", "bytes_loaded", "failures", "retained", "unretained")
     LOADED_FIELD_NUMBER: _ClassVar[int]
     BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    UNRETAINED_FIELD_NUMBER: _ClassVar[int]
     loaded: int
     bytes_loaded: int
     failures: _containers.RepeatedCompositeFieldContainer[FailedBlock]
-    def __init__(self, loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ...) -> None: ...
+    retained: int
+    unretained: int
+    def __init__(self, loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[FailedBlock, _Mapping]]] = ..., retained: _Optional[int] = ..., unretained: _Optional[int] = ...) -> None: ...
 
 class ItemError(_message.Message):
     __slots__ = ("code", "reason")
@@ -494,7 +520,7 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id_prefix: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., cache_prefix: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., mapped_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., client_name: _Optional[str] = ..., tenant: _Optional[str] = ..., data_connections: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "listeners", "tenancy", "caller_tenant", "gpu", "gpu_failure")
+    __slots__ = ("daemon_version", "uptime_seconds", "store_healthy", "store_detail", "master_address", "sessions", "counters", "listeners", "tenancy", "caller_tenant", "gpu", "gpu_failure", "retention")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -514,6 +540,7 @@ class StatsResponse(_message.Message):
     CALLER_TENANT_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     GPU_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     uptime_seconds: float
     store_healthy: bool
@@ -526,7 +553,38 @@ class StatsResponse(_message.Message):
     caller_tenant: str
     gpu: str
     gpu_failure: str
-    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., listeners: _Optional[_Iterable[_Union[ListenerInfo, _Mapping]]] = ..., tenancy: _Optional[str] = ..., caller_tenant: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_failure: _Optional[str] = ...) -> None: ...
+    retention: _containers.RepeatedCompositeFieldContainer[RetentionUsage]
+    def __init__(self, daemon_version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., store_healthy: _Optional[bool] = ..., store_detail: _Optional[str] = ..., master_address: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., listeners: _Optional[_Iterable[_Union[ListenerInfo, _Mapping]]] = ..., tenancy: _Optional[str] = ..., caller_tenant: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_failure: _Optional[str] = ..., retention: _Optional[_Iterable[_Union[RetentionUsage, _Mapping]]] = ...) -> None: ...
+
+class RetentionUsage(_message.Message):
+    __slots__ = ("tenant", "retained_bytes", "budget_bytes", "hard_pinned_bytes", "values")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HARD_PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    retained_bytes: int
+    budget_bytes: int
+    hard_pinned_bytes: int
+    values: int
+    def __init__(self, tenant: _Optional[str] = ..., retained_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hard_pinned_bytes: _Optional[int] = ..., values: _Optional[int] = ...) -> None: ...
+
+class DropRetentionRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class DropRetentionResponse(_message.Message):
+    __slots__ = ("values", "bytes", "failed")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    values: int
+    bytes: int
+    failed: int
+    def __init__(self, values: _Optional[int] = ..., bytes: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
 
 class ListenerInfo(_message.Message):
     __slots__ = ("role", "address", "allowed", "dropped_packets")

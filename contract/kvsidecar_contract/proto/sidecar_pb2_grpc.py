@@ -89,6 +89,11 @@ class SidecarStub:
                 request_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.DropRetention = channel.unary_unary(
+                '/kvsidecar.v1.Sidecar/DropRetention',
+                request_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.DropRetentionRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.DropRetentionResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -183,6 +188,14 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropRetention(self, request, context):
+        """Makes every value a tenant's requests retained (soft and hard pins) ordinary cache again, its bytes kept
+        (docs/retention.md). For an operator credential only (PERMISSION_DENIED otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -240,6 +253,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.StatsRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.StatsResponse.SerializeToString,
+            ),
+            'DropRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropRetention,
+                    request_deserializer=kvsidecar_dot_v1_dot_sidecar__pb2.DropRetentionRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_sidecar__pb2.DropRetentionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -539,6 +557,33 @@ class Sidecar:
             '/kvsidecar.v1.Sidecar/Stats',
             kvsidecar_dot_v1_dot_sidecar__pb2.StatsRequest.SerializeToString,
             kvsidecar_dot_v1_dot_sidecar__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.Sidecar/DropRetention',
+            kvsidecar_dot_v1_dot_sidecar__pb2.DropRetentionRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_sidecar__pb2.DropRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,7 @@ PUBLIC = [
     "PreconditionFailed",
     "Registration",
     "ResourceExhausted",
+    "Retention",
     "SaveItem",
     "SaveJob",
     "SaveResult",
@@ -49,7 +50,7 @@ def test_every_public_name_is_exported_and_defined_in_the_package():
     # Submodules appear once imported (vllm and sglang among them: their pure modules are tested without either).
     modules = {
         "allocation", "batch", "client", "deadlines", "errors", "jobs", "layout", "memory", "probe", "proto",
-        "remapping", "results", "saves", "session", "sglang", "vllm",
+        "remapping", "results", "retention", "saves", "session", "sglang", "vllm",
     }  # fmt: skip
     assert public - modules == set(PUBLIC)
     assert all(isinstance(getattr(kvsidecar_client, name), types.ModuleType) for name in public & modules)

@@ -155,3 +155,26 @@ def test_hashes_of_the_wrong_length_are_named():
         wire.hashes([b"a" * 32, b"b" * 32, b"c" * 31], 32)
     with pytest.raises(BadRequest, match="at most"):
         wire.hashes([b"a"] * (wire.MAX_HASHES + 1), 1)
+
+
+def test_a_requests_retention_is_read_whole_checked_and_answered():
+    from kvsidecar.rpc.retention import retention_args
+    from kvsidecar.values import RetentionArgs
+
+    assert retention_args(pb.SaveRequest()) is None
+    asked = pb.SaveRequest(block_ids=[pb.BlockIds()], retention=pb.Retention(seconds=300, renew=True, end_tokens=64))
+    assert wire.save_args(asked, 32, 1).retention == RetentionArgs(300, 100, True, 64, False)  # priority 100 unset
+    load = pb.LoadRequest(block_ids=[pb.BlockIds()], retention=pb.Retention(seconds=1.5, priority=0))
+    assert wire.load_args(load, 32, 1).retention == RetentionArgs(1.5, 0)
+    assert retention_args(pb.SaveRequest(retention=pb.Retention(hard=True))) == RetentionArgs(0, 100, hard=True)
+    for bad, reason in (
+        (pb.Retention(seconds=0), "seconds must be a number of seconds > 0"),
+        (pb.Retention(seconds=float("inf")), "seconds must be"),
+        (pb.Retention(seconds=5, priority=101), "priority is 0-100"),
+    ):
+        with pytest.raises(BadRequest, match=reason):
+            retention_args(pb.SaveRequest(retention=bad))
+    saved = wire.save_response(SaveOutcome(4, 0, (), 0, 4096, retained=2, unretained=2))
+    assert (saved.retained, saved.unretained) == (2, 2)
+    loaded = wire.load_response(LoadOutcome(3, 3072, (), retained=3))
+    assert (loaded.retained, loaded.unretained) == (3, 0)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsidecar.errors import StoreError
-from kvsidecar.store import Presence, Store, StoreCode
+from kvsidecar.store import Pin, Presence, Store, StoreCode
 from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
 
@@ -64,6 +64,24 @@ def test_put_on_an_existing_key_keeps_the_old_value_like_mooncake():
     assert put(store, "k", b"old") is StoreCode.OK
     assert put(store, "k", b"new") is StoreCode.OK
     assert get(store, "k", 3) == (StoreCode.OK, b"old")
+
+
+def test_a_pin_comes_with_the_put_that_creates_a_value_and_changes_only_through_pin_like_mooncake():
+    store = MemoryStore()
+    _keep, addresses, sizes = buffers(b"abc")
+    assert store.put_from(["k"], [addresses], [sizes], pin=Pin(ttl_ms=5000)) == [StoreCode.OK]
+    assert store.put_from(["k"], [addresses], [sizes], pin=Pin(hard=True)) == [StoreCode.OK]
+    assert store.pin_of("k") == Pin(ttl_ms=5000)  # a put on an existing key keeps its pin
+    assert store.pin(["k", "gone", "k"], [3, 3, 4], Pin(hard=True)) == [
+        StoreCode.OK,
+        StoreCode.NOT_FOUND,
+        StoreCode.SIZE_MISMATCH,
+    ]
+    assert store.pin_of("k") == Pin(hard=True) and store.value("k") == b"abc"
+    assert store.pin(["k"], [3], None, hard_before=True) == [StoreCode.OK]
+    assert store.pin_of("k") is None
+    store.fail_keys(StoreCode.TRANSFER_FAILED, ["k"], ["pin"])
+    assert store.pin(["k"], [3], Pin(ttl_ms=1)) == [StoreCode.TRANSFER_FAILED] and store.pin_of("k") is None
 
 
 @pytest.mark.parametrize("sizes", [(2,), (4,), (1, 1), (2, 2)])

@@ -30,6 +30,8 @@ uids = [0]
 prefixes = ["ops"]
 admin = true
 shm_names = true
+operator = true
+retained_bytes = "8GiB"
 """
 
 
@@ -67,6 +69,8 @@ def test_grants_need_the_prefix_and_the_model():
     with pytest.raises(Forbidden, match="uid 77 is no tenant's credential"):
         t.grant(Caller(uid=77), "team-a", "org/llama")
     assert t.admin(Caller(uid=0)) and not t.admin(alpha)
+    assert t.operator(Caller(uid=0)) and not t.operator(alpha) and TenantTable().operator(alpha)
+    assert (t.by_name["ops"].retained_bytes, t.by_name["alpha"].retained_bytes) == (8 << 30, 0)
 
 
 def test_single_tenant_grants_everything():
@@ -89,6 +93,8 @@ def test_single_tenant_grants_everything():
          "uid 1 is a credential of both 'a' and 'b'"),
         ('[tenants.a]\nuids = [1]\nprefixes = ["p"]\nwrite_burst_bytes = 5\n', "needs write_bytes_per_second"),
         ('[tenants.a]\nuids = [1]\nprefixes = ["p"]\nwrite_bytes_per_second = "x"\n', "not a size"),
+        ('[tenants.a]\nuids = [1]\nprefixes = ["p"]\nretained_bytes = -1\n', "retained_bytes must not be negative"),
+        ('[tenants.a]\nuids = [1]\nprefixes = ["p"]\noperator = 1\n', "operator must be true or false"),
         ("x = 1\n", "unknown top-level key 'x'"),
         ("[tenants\n", "not valid TOML"),
     ],
