@@ -38,7 +38,7 @@ def setup(budget: int = 1 << 20, model: Model = ATTENTION) -> tuple[DataPath, Me
     metrics = Metrics(CollectorRegistry())
     ledger = RetentionLedger(lambda tenant: budget, max_seconds=3600)
     dp = DataPath(store, metrics, retention=Retainer(store, ledger, metrics, operators_only))
-    r = Rank(model, model.layout(1))
+    r = Rank(model, model.layout(1), store)
     r.fill(HASHES, IDS)
     return dp, store, r, metrics
 
@@ -66,7 +66,7 @@ def test_a_retained_save_writes_its_values_pinned_and_says_so():
         4 * VALUE
     )
     # An ordinary save beside it writes ordinary values.
-    other = Rank(ATTENTION, ATTENTION.layout(1, cache_prefix="other"))
+    other = Rank(ATTENTION, ATTENTION.layout(1, cache_prefix="other"), store)
     other.fill(HASHES, IDS)
     out = save(dp, other, retention=None)
     assert (out.written, out.retained) == (4, 0) and all(store.pin_of(k) is None for k in keys(other))
@@ -122,7 +122,7 @@ def test_a_hybrids_state_and_attention_are_retained_together_or_not_at_all():
 def test_a_hit_retains_what_it_read():
     dp, store, r, _ = setup()
     save(dp, r, retention=None)
-    reader = Rank(ATTENTION, ATTENTION.layout(1))
+    reader = Rank(ATTENTION, ATTENTION.layout(1), store)
     out = dp.load(reader.session, LoadArgs(HASHES, [[7, 2, 0, 4]], 48, (48,), retention=RetentionArgs(60)))
     assert (out.loaded, out.retained) == (3, 3)
     assert dp.retention.flush(10.0)
@@ -157,22 +157,18 @@ def test_values_covered_by_the_request_alone_are_retained():
     assert [store.pin_of(k) is not None for k in keys(r)] == [True, True, False, False]
 
 
-def test_the_device_path_puts_ordinary_and_pins_right_after():
-    # The GPU path (the CPU standing in for the GPU) writes through its staging area with ordinary puts; the
-    # values it wrote for a retained request are pinned in the background from the store, as stored ones are.
-    from kvsidecar.gpu.runtime import GpuRuntime, GpuSettings
+def test_the_device_path_pins_at_the_put_as_the_host_path_does():
+    # The GPU path (the CPU standing in for the GPU) writes through its staging area; its puts carry the pin.
+    from support.devicepath import hashes, rank
 
-    store, metrics = MemoryStore(), Metrics(CollectorRegistry())
-    runtime = GpuRuntime(GpuSettings("auto", 1 << 20, 256 << 10), store, metrics, devices=["cpu"])
-    runtime.start()
-    try:
-        ledger = RetentionLedger(lambda tenant: 1 << 20, max_seconds=3600)
-        dp = DataPath(store, metrics, gpu=runtime, retention=Retainer(store, ledger, metrics))
-        r = Rank(ATTENTION, ATTENTION.layout(1), device=True)
-        r.fill(HASHES, IDS)
-        out = save(dp, r)
+    store = MemoryStore()
+    metrics = Metrics(CollectorRegistry())
+    ledger = RetentionLedger(lambda tenant: 1 << 20, max_seconds=3600)
+    with rank(store) as r:
+        r.fill(3)
+        dp = DataPath(store, metrics, retention=Retainer(store, ledger, metrics))
+        h = hashes("retained", 4)
+        out = dp.save(r.session, SaveArgs(h, [IDS], 64, retention=KEEP))
         assert (out.written, out.retained) == (4, 4)
         assert dp.retention.flush(10.0)
-        assert [store.pin_of(k) for k in keys(r)] == [Pin(ttl_ms=300_000)] * 4
-    finally:
-        runtime.stop()
+        assert sorted(store.pin_of(k) for k in store.keys()) == [Pin(ttl_ms=300_000)] * 4

@@ -158,10 +158,10 @@ class CrashingPuts(MemoryStore):
 
     crash = True
 
-    def put_from(self, keys, addresses, sizes, *, device=False):  # type: ignore[no-untyped-def]
+    def put_from(self, keys, addresses, sizes, *, device=False, pin=None):  # type: ignore[no-untyped-def]
         if self.crash:
             raise RuntimeError("put crashed")
-        return super().put_from(keys, addresses, sizes, device=device)
+        return super().put_from(keys, addresses, sizes, device=device, pin=pin)
 
 
 def test_a_request_that_fails_midway_still_waits_for_its_slot_and_gives_it_back():
@@ -246,11 +246,11 @@ class SlowPuts(MemoryStore):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def put_from(self, keys, addresses, sizes, *, device=False):  # type: ignore[no-untyped-def]
+    def put_from(self, keys, addresses, sizes, *, device=False, pin=None):  # type: ignore[no-untyped-def]
         if self.hold:
             self.entered.set()
             self.release.wait(60)
-        return super().put_from(keys, addresses, sizes, device=device)
+        return super().put_from(keys, addresses, sizes, device=device, pin=pin)
 
 
 def test_device_memory_is_not_registered_with_the_store_only_the_staging_it_reads_from():
