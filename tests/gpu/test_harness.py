@@ -5,9 +5,11 @@ leaving nothing it started running, and a wheelhouse that cannot be built failin
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import venv
 from pathlib import Path
 
@@ -38,10 +40,12 @@ def marked() -> list[int]:
 
 def test_a_section_past_its_limit_fails_leaves_nothing_running_and_two_files_come_back(tmp_path):
     out = tmp_path / "out"
-    (tmp_path / "tmp").mkdir()
+    # The section's own pytest keeps its folders there, not in Mooncake's; short, since its daemons bind Unix
+    # sockets under it (107 bytes at most, which this test's own folder under pytest's would pass).
+    short = Path(tempfile.mkdtemp(prefix="gpuck-"))
     env = {
         **os.environ,
-        "TMPDIR": str(tmp_path / "tmp"),  # the section's own pytest keeps its folders there, not in Mooncake's
+        "TMPDIR": str(short),
         "OUT": str(out),
         "GPU_CHECK_WORK": str(tmp_path / "work"),
         "GPU_CHECK_INSTALL": "here",
@@ -49,9 +53,12 @@ def test_a_section_past_its_limit_fails_leaves_nothing_running_and_two_files_com
         "GPU_CHECK_ONLY": "path",
         "GPU_CHECK_LIMIT": "6",  # the path section starts a daemon and ranks and runs for longer
     }
-    done = subprocess.run(
-        ["bash", "scripts/gpu-check.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    try:
+        done = subprocess.run(
+            ["bash", "scripts/gpu-check.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAIL path (exit 124: past 6 s)" in done.stdout
     assert sorted(p.name for p in out.iterdir()) == ["check.tar.gz", "summary.txt"]
