@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -89,6 +90,22 @@ def test_status_without_a_daemon_says_so_in_one_line_and_how_to_start_one(tmp_pa
         f"kvsidecar status: no daemon at {stale} (a socket file nobody listens on, left by a daemon that is gone); "
         f"start one with: kvsidecar serve --socket {stale}\n"
     )
+    # A regular file is no socket: said so, not taken for one a dead daemon left.
+    regular = tmp_path / "passwd"
+    regular.write_text("root:x:0:0\n")
+    out = kvsidecar("status", "--socket", str(regular))
+    assert out.returncode == 2
+    assert out.stdout == (
+        f"kvsidecar status: no daemon at {regular} (a regular file, not a socket); start one with: kvsidecar serve "
+        f"--socket {regular}\n"
+    )
+    # --json answers in JSON either way: a script's `jq .serving` reads false, not a parse error.
+    out = kvsidecar("status", "--json", "--socket", str(stale))
+    assert out.returncode == 2 and json.loads(out.stdout) == {
+        "address": f"unix://{stale}",
+        "serving": False,
+        "unreachable": "a socket file nobody listens on, left by a daemon that is gone",
+    }
     # On the default socket, the way to start one is the plain command.
     out = kvsidecar("status", env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
     default = tmp_path / "kvsidecar" / "kvsidecar.sock"
