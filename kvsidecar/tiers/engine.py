@@ -416,7 +416,10 @@ class DiskEngine:
             os.fdatasync(seg.ifd)
         except OSError as exc:
             reason = "no_space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
-            log.warning("disk tier: cannot write file %s: %s; %d values skipped", seg.number, exc, len(records))
+            n = len(records)
+            log.warning(
+                "disk tier: cannot write file %s: %s; %d value%s skipped", seg.number, exc, n, "" if n == 1 else "s"
+            )
             with self._lock:
                 self.stats.skipped[reason] += sum(1 for item in items if item.data is not None)
                 self._settle(items)
