@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
-# Attach a classic socket filter as the fence does (kvsidecar/fence/guard.py): exit 1 where the kernel refuses it.
+# Attach a classic socket filter as the fence does (kvsidecar/fence/guard.py): exit 3 where the kernel refuses it.
 ATTACH_PROBE = """
 import ctypes, socket, struct
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
@@ -45,7 +45,7 @@ code = ctypes.create_string_buffer(bytes(8))  # one instruction: return 0
 try:
     s.setsockopt(socket.SOL_SOCKET, 26, struct.pack("@HP", 1, ctypes.addressof(code)))
 except PermissionError:
-    raise SystemExit(1)
+    raise SystemExit(3)
 """
 
 
@@ -89,7 +89,9 @@ class Running:
             ["buildah", "from", "--pull=never", "--name", image_build.check_name(), image["tag"]],
             capture_output=True, text=True, check=True, timeout=120,
         ).stdout.strip()  # fmt: skip
-        self.granted = "" if self.run_inside(["python", "-c", ATTACH_PROBE]).returncode == 0 else "NET_ADMIN"
+        probe = self.run_inside(["python", "-c", ATTACH_PROBE])
+        assert probe.returncode in (0, 3), probe.stdout + probe.stderr
+        self.granted = "NET_ADMIN" if probe.returncode == 3 else ""
         uid, gid = self.user.split(":")
         as_user: list[str] = []
         if self.granted:
