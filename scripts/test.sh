@@ -22,7 +22,9 @@ if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
 fi
 V=.venv/bin
 # The image check's minutes are mostly waits on the network and the disk (debootstrap, pip, buildah's commit), so it
-# runs in the background from here and is waited for after the suite. Debian's buildah and debootstrap build it.
+# runs in the background from here, at idle CPU and I/O priority (it takes what the suite leaves: at normal priority
+# it halved the suite's pace while it ran), and is waited for after the suite. Debian's buildah and debootstrap
+# build it.
 image=""
 if [ "${CI:-}" = true ] || [ "${KVSIDECAR_SKIP_IMAGE:-0}" != 1 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! { command -v buildah && command -v debootstrap; } >/dev/null; then
@@ -31,7 +33,7 @@ if [ "${CI:-}" = true ] || [ "${KVSIDECAR_SKIP_IMAGE:-0}" != 1 ]; then
   fi
   image_log=$(mktemp -t kvsidecar-image-check.XXXXXX)
   # A process group of its own, so that an early exit below stops it, its buildah and the daemon it started.
-  setsid $V/python -m pytest tests/image -p no:cacheprovider -s >"$image_log" 2>&1 &
+  setsid nice -n 19 ionice -c 3 $V/python -m pytest tests/image -p no:cacheprovider -s >"$image_log" 2>&1 &
   image=$!
   trap 'kill -TERM -- "-$image" 2>/dev/null || true' EXIT
   echo "test.sh: the image check runs beside the suite (pid $image, log $image_log)"
