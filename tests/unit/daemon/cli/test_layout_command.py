@@ -1,17 +1,22 @@
-"""`kvsidecar layout`, run as a real process."""
+"""`kvsidecar layout` through the command's entry point, in this process: its output is a function of its flags
+(the console script as a real process, its exit statuses and a reader that leaves: test_command_line.py)."""
 
+import contextlib
+import io
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
+from kvsidecar.cli.main import main
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvsidecar", "layout", *args], capture_output=True, text=True, timeout=60
-    )
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["layout", *args])
+    return subprocess.CompletedProcess(["kvsidecar", "layout", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_json_for_example_a():
