@@ -47,7 +47,8 @@ if [ -n "$image" ]; then
   wait "$image" || code=$?
   trap - EXIT
   if [ "$code" != 0 ]; then cat "$image_log"; echo "test.sh: the image check failed ($image_log)"; exit "$code"; fi
-  grep -v '^WARNING: Location' "$image_log" | tail -n 15
+  grep -E '^(image:|this kernel)|^ +[0-9.]+ s  \[|(passed|failed|skipped).* in [0-9.]+s' "$image_log" || true
+  rm -f "$image_log"
 fi
 if [ "${KVSIDECAR_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/setup-vllm.sh
