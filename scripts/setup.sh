@@ -41,7 +41,9 @@ outdated() {
   fi
 }
 
-has_lib() { ldconfig -p 2>/dev/null | grep -q "$1 "; }
+# grep reads all of ldconfig's output: with -q it would leave at the first match, and under pipefail ldconfig's
+# SIGPIPE would then make a library that is there look missing now and then.
+has_lib() { ldconfig -p 2>/dev/null | grep -F "$1 " >/dev/null; }
 need_ibverbs() { ! has_lib libibverbs.so.1; }
 need_libs() { need_ibverbs || ! has_lib libnuma.so.1 || ! has_lib libcurl.so.4; }
 
