@@ -275,10 +275,13 @@ class Metrics:
         return out
 
     def totals(self) -> dict[str, float]:
-        """Every unlabelled counter's total, by sample name (for Stats)."""
+        """Every unlabelled counter's total, by sample name (for Stats); the disk tier's only where it has a size."""
+        samples = [s for metric in self.registry.collect() for s in metric.samples]
+        disk = any(
+            s.name == "kvsidecar_tier_capacity_bytes" and s.labels == {"tier": "disk"} and s.value for s in samples
+        )
         return {
             s.name: s.value
-            for metric in self.registry.collect()
-            for s in metric.samples
-            if s.name.endswith("_total") and not s.labels
+            for s in samples
+            if s.name.endswith("_total") and not s.labels and (disk or not s.name.startswith("kvsidecar_disk_tier_"))
         }

@@ -71,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         progress.close()
-        print("kvsidecar bench: interrupted; every process it started was stopped", file=sys.stderr)
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(
+            f"kvsidecar bench: interrupted; every process it started was stopped and its temporary folder {workdir} "
+            "removed",
+            file=sys.stderr,
+        )
         return 130
     finally:
         os.environ.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -11,11 +12,10 @@ from typing import Any
 
 from kvsidecar_bench.shapes import SHAPES
 
-__all__ = ["DEFAULT_OUT", "DEVICES", "SECTIONS", "Settings", "add_arguments"]
+__all__ = ["DEVICES", "SECTIONS", "Settings", "add_arguments"]
 
 SECTIONS = ("throughput", "step", "lookup", "scaling", "volume")
 DEVICES = ("cpu", "cuda")  # where the data-path section's KV cache lives
-DEFAULT_OUT = "docs/benchmarks"
 MiB = 1 << 20
 
 
@@ -40,7 +40,7 @@ class Settings:
     volume_blocks: int = 16
     segment_size: int = 1024 * MiB
     real_client: bool = True
-    out: str = DEFAULT_OUT
+    out: str = ""  # none: a temporary folder the run names (the full run), or the tables printed only (--quick)
     progress: bool = True
     device: str = "cpu"
 
@@ -60,7 +60,6 @@ QUICK = Settings(
     scale_rounds=3,
     volume_blocks=4,
     segment_size=512 * MiB,
-    out="",
 )
 
 
@@ -111,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help=f"folder for results.md, results.json and throughput.png (full run: {DEFAULT_OUT}; --quick: none)",
+        help="folder for results.md, results.json and throughput.png (full run: a new temporary folder it names; "
+        "--quick: none, it prints the tables); docs/benchmarks in a checkout refreshes the committed results",
     )
     parser.add_argument("--sections", type=_names(SECTIONS), help=f"subset of {','.join(SECTIONS)} (default: all)")
     parser.add_argument(
@@ -194,7 +194,7 @@ def command_line(settings: Settings) -> str:
     if settings.quick:
         words.append("--quick")
     for f in fields(Settings):
-        if f.name in ("quick", "progress"):
+        if f.name in ("quick", "progress", "out"):  # where the report goes changes nothing it measures
             continue
         value = getattr(settings, f.name)
         if value == getattr(base, f.name):
@@ -210,5 +210,7 @@ def command_line(settings: Settings) -> str:
 
 
 def out_dir(settings: Settings) -> Path | None:
-    """Where the report goes, or None to only print it."""
-    return Path(settings.out) if settings.out else None
+    """Where the report goes: --out, else a new temporary folder (the full run), or None to only print it (--quick)."""
+    if settings.out:
+        return Path(settings.out)
+    return None if settings.quick else Path(tempfile.mkdtemp(prefix="kvsidecar-bench-results-"))

@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +69,28 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
     assert set(_children(os.getpid())) <= before
     doc = json.loads((out / "results.json").read_text())
     return doc, (out / "results.md").read_text(), out
+
+
+def test_an_interrupted_run_stops_what_it_started_and_says_which_folder_it_removed():
+    argv = [str(Path(sys.executable).with_name("kvsidecar-bench")), *(a for a in TINY if a != "--no-progress")]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a terminal's Ctrl-C, even under nohup
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # the first section starts: its processes are being started
+        assert "starting masters, the daemon and Mooncake clients" in first, first
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, err
+    said = re.search(r"every process it started was stopped and its temporary folder (\S+) removed", err)
+    assert said, err
+    assert not Path(said.group(1)).exists()
 
 
 def test_every_path_moved_the_right_bytes(report):

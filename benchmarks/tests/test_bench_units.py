@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import kvsidecar_bench
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.render import render_markdown
 from kvsidecar_bench.report import headline
-from kvsidecar_bench.settings import QUICK, Settings, add_arguments, command_line, from_args
+from kvsidecar_bench.settings import QUICK, Settings, add_arguments, command_line, from_args, out_dir
 from kvsidecar_bench.shapes import GQA, MLA, Request, hashes_for
 from kvsidecar_bench.stats import Samples, gib_per_s, percentile, ratio, rotated
 
@@ -72,6 +73,16 @@ def test_the_recorded_command_reproduces_the_settings():
     line = command_line(s)
     assert line.startswith("kvsidecar bench --quick")
     assert parse(*line.split()[2:]) == s
+
+
+def test_results_go_where_the_user_says_or_to_a_folder_of_their_own(tmp_path):
+    assert out_dir(parse("--quick")) is None  # the tables are printed
+    assert out_dir(parse("--out", str(tmp_path))) == tmp_path
+    full = out_dir(parse())  # never the checkout's committed docs/benchmarks
+    assert full is not None and full.is_dir() and full.is_relative_to(tempfile.gettempdir())
+    assert full.name.startswith("kvsidecar-bench-results-") and not any(full.iterdir())
+    full.rmdir()
+    assert command_line(parse("--out", str(tmp_path))) == "kvsidecar bench"  # where it went changes no result
 
 
 def test_shapes_match_the_models_they_name():

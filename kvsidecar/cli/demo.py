@@ -5,8 +5,8 @@ own client and shared-memory KV cache) prefill a prompt and save it (cold pass),
 prompt up and load it into other blocks (warm pass). Every rank checks every block of its cache against the bytes it
 holds by construction: the latent is the same on every rank, attention heads follow the KV head, Mamba state follows
 the rank. Uses the daemon at --socket, or, if none answers there, starts one (with an embedded Mooncake master) in a
-temporary folder and stops it at the end. The demo's blocks live under a cache prefix of their own and are removed
-at the end.
+temporary folder and stops it at the end. The demo's blocks live under a cache prefix of their own (one per run, or
+--cache-prefix: a prefix a daemon with a tenants file grants the demo's uid) and are removed at the end.
 """
 
 from __future__ import annotations
@@ -73,6 +73,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=2, help="tensor-parallel ranks (default 2)")
     parser.add_argument("--tokens", type=int, default=200, help="prompt length in tokens, 32..512 (default 200)")
+    parser.add_argument(
+        "--cache-prefix",
+        default="",
+        help="the cache prefix of the demo's blocks (default: kvsidecar-demo-<random>, one per run); a daemon with "
+        "--tenants grants prefixes by the caller's uid and groups: run the demo as a uid of a tenant and give one of "
+        "its prefixes (the demo's model is 'hybrid-tiny', which a tenant's `models` must allow)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         with _daemon(args.socket) as target:
-            return _demo(target, args.tp, args.tokens)
+            return _demo(target, args.tp, args.tokens, args.cache_prefix)
     except DemoError as exc:
         print(f"kvsidecar demo: error: {exc}")
         return 1
@@ -172,7 +179,7 @@ class _Rank:
         self.tensors: list[torch.Tensor] = [
             shared_tensor((NUM_BLOCKS, *shape), getattr(torch, dtype)) for _, shape, dtype in TENSORS
         ]
-        self.client.register(self.tensors, [(group,) for group, _, _ in TENSORS])
+        self.value_bytes = self.client.register(self.tensors, [(group,) for group, _, _ in TENSORS]).value_bytes
 
     def block(self, tensor: int, block: int) -> tuple[int, int]:
         view = self.tensors[tensor][block]
@@ -207,9 +214,12 @@ def _cold(rank: _Rank, prompt: Prompt) -> str:
             address, size = rank.block(t, ids[group][k])
             ctypes.memmove(address, oracle.pattern(tag, size), size)
     saved = rank.client.save(prompt.hashes, ids, prompt.num_tokens).result()
-    line = f"  rank {rank.rank}: saved {saved.written} blocks ({_size(saved.bytes_written)})"
+    line = f"  rank {rank.rank}: saved {_blocks(saved.written)} ({_size(saved.bytes_written)})"
     if saved.striped_to_others:
-        line += f", {saved.striped_to_others} replicated ones left to the other ranks"
+        n = saved.striped_to_others
+        line += (
+            f", {n} replicated {'one' if n == 1 else 'ones'} left to the other {'rank' if rank.tp == 2 else 'ranks'}"
+        )
     if saved.failed:
         line += f", {saved.failed} FAILED ({', '.join(sorted({f.reason for f in saved.failures}))})"
     return line
@@ -230,23 +240,46 @@ def _warm(rank: _Rank, prompt: Prompt, hit: Hit) -> tuple[str, int, int]:
             expected = oracle.pattern(want[block], size) if block in want else bytes([oracle.POISON]) * size
             mismatches += ctypes.string_at(address, size) != expected
     failed = len(loaded.failures)
+    # Blocks of every group, by the group's first tensor (a Mamba block's two tensors are one value).
+    first = {group: t for t, (group, _, _) in reversed(list(enumerate(TENSORS)))}
+    counts = {
+        g.kind: len(
+            oracle.warm_block_tags(layout, group, first[group], oracle.RankId(rank.rank), prompt, hit.hit_tokens)
+        )
+        for group, g in enumerate(_groups())
+    }
+    by_group = ", ".join(f"{n} {kind}" for kind, n in counts.items())
     line = (
-        f"  rank {rank.rank}: loaded {loaded.loaded} blocks ({_size(loaded.bytes_loaded)}) into other blocks, "
-        f"{failed} failed, {mismatches} mismatched"
+        f"  rank {rank.rank}: loaded {_blocks(loaded.loaded)} ({_size(loaded.bytes_loaded)}: {by_group}) into other "
+        f"blocks, {failed} failed, {mismatches} mismatched"
     )
     return line, failed, mismatches
+
+
+def _block_sizes(value_bytes: tuple[int, ...]) -> str:
+    """Why a load of fewer blocks than a save can move more bytes: what one block of each group holds."""
+    sizes = ", ".join(f"{g.kind} {_size(n)}" for g, n in zip(_groups(), value_bytes, strict=True))
+    return (
+        f"  blocks differ by group ({sizes}): a save writes every group's blocks (MLA's shared out\n"
+        "  among the ranks), a load only what the hit needs: every MLA block, the window's last ones, one Mamba state"
+    )
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
 
 
 def _size(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _demo(target: str, tp: int, num_tokens: int) -> int:
+def _demo(target: str, tp: int, num_tokens: int, cache_prefix: str = "") -> int:
     from kvsidecar.testing.oracle import Prompt
-    from kvsidecar_client import EngineLayout, SidecarClient, SidecarError
+    from kvsidecar_client import EngineLayout, PermissionDenied, SidecarClient, SidecarError
 
     run_id = secrets.token_hex(4)
-    cache_prefix = f"kvsidecar-demo-{run_id}"  # this run's blocks only; removed at the end
+    # This run's blocks only (the prompt's hashes are the run's own too); removed at the end.
+    cache_prefix = cache_prefix or f"kvsidecar-demo-{run_id}"
     prompt = Prompt(run_id, num_tokens, HASH_BLOCK)
     hashes = prompt.hashes
     groups = ", ".join(f"{g.kind}{f':{g.window}' if g.window else ''}/{g.block_size}" for g in _groups())
@@ -282,14 +315,24 @@ def _demo(target: str, tp: int, num_tokens: int) -> int:
             print(line)
             failed += rank_failed
             mismatched += rank_mismatched
+        print(_block_sizes(ranks[0].value_bytes))
         if hit.hit_tokens == 0:
             print("FAILED: the warm pass found nothing of what the cold pass saved")
             return 1
         if failed or mismatched:
-            print(f"FAILED: {failed} blocks failed to load, {mismatched} blocks hold other bytes than their rank saved")
+            print(
+                f"FAILED: {_blocks(failed)} failed to load; {_blocks(mismatched)} with other bytes than their rank "
+                "saved"
+            )
             return 1
         print(f"OK: every rank got its own bytes back, 0 mismatches ({hit.hit_tokens} tokens not recomputed)")
         return 0
+    except PermissionDenied as exc:
+        raise DemoError(
+            f"the daemon refused the demo's session under cache prefix {cache_prefix!r} ({exc}): a daemon with a "
+            "tenants file grants prefixes by uid and groups; run the demo as a tenant's uid with --cache-prefix "
+            "one of its prefixes"
+        ) from None
     except (SidecarError, OSError) as exc:
         raise DemoError(f"{type(exc).__name__}: {exc}") from None
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import replace
 from typing import Any
@@ -22,6 +23,23 @@ from kvsidecar_contract.placement.layout import MAX_TP
 
 EXAMPLE_HASH = bytes(32)
 PER_INDEX = -1  # share_tp_size of the bare --share-across-tp: one value per KV head and per state index
+# The layout's parameters, as the placement rules name them in their errors, and the flags that set them.
+FLAGS = {
+    "num_kv_heads": "--kv-heads",
+    "tp_size": "--tp",
+    "dcp_size": "--dcp",
+    "pp_size": "--pp",
+    "pcp_size": "--pcp",
+    "hash_block_size": "--hash-block-size",
+    "block_size": "--block-size",
+    "share_tp_size": "--share-across-tp",
+}
+
+
+def in_flags(message: str, tp_flag: str = "--tp") -> str:
+    """A placement error in the words of the flags: `num_kv_heads 2 and tp_size 3` -> `--kv-heads 2 and --tp 3`."""
+    names = {**FLAGS, "tp_size": tp_flag}
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m[1]], message)
 
 
 def build_layout(
@@ -83,6 +101,7 @@ def describe(layout: Layout) -> dict[str, Any]:
                 "values_per_block": len(group.own),
                 "keys_per_boundary": group.keys_per_boundary,
                 "shard_of_rank": shards,
+                "model_key": layout.group_model_key(group.index),
                 "writers_of_chunk0": [r for r, rank in enumerate(ranks) if rank.groups[group.index].writes(0)],
                 "example_key_of_rank": [_example_key(layout, group, r) for r in range(par.tp_size)],
             }
@@ -200,8 +219,11 @@ def render_readers(reader_tp: int, writer_tp: int, groups: list[dict[str, Any]])
 
 def render_table(info: dict[str, Any]) -> str:
     """A fixed-width table an operator can read in a terminal."""
+    # The model field every key carries: one per layout, or per group where groups are shared across TP sizes.
+    model_keys = sorted({g["model_key"] for g in info["groups"]})
+    model = model_keys[0] if len(model_keys) == 1 else f"{info['model']} (value id per group: see its keys)"
     lines = [
-        f"model {info['model_key']}  tp {info['tp']}  kv_heads {info['kv_heads']}  dcp {info['dcp']}  "
+        f"model {model}  tp {info['tp']}  kv_heads {info['kv_heads']}  dcp {info['dcp']}  "
         f"pp {info['pp']}  pcp {info['pcp']}  U {info['hash_block_size']}  "
         f"hits in steps of {info['hit_alignment_tokens']} tokens"
         + ("  (fine-grained)" if info["fine_grained_hits"] else ""),
@@ -222,13 +244,15 @@ def render_table(info: dict[str, Any]) -> str:
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines += ["", "keys of chunk 0 (hash 00 x 32, pcp 0, pp 0):"]
+    lines += ["", "keys of chunk 0 (hash 00 x 32, pcp 0, pp 0), the ranks that hold each and the one that writes it:"]
     for g in info["groups"]:
-        seen: set[str] = set()
+        holders: dict[str, list[int]] = {}
         for rank, key in enumerate(g["example_key_of_rank"]):
-            if key not in seen:
-                seen.add(key)
-                lines.append(f"  group {g['index']} rank {rank}: {key}")
+            holders.setdefault(key, []).append(rank)
+        for key, ranks in holders.items():
+            writers = " ".join(str(r) for r in ranks if r in g["writers_of_chunk0"]) or "none of them"
+            held = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {' '.join(map(str, ranks))}"
+            lines.append(f"  group {g['index']} held by {held}, written by {writers}: {key}")
     shared = [g for g in info["groups"] if "pieces" in g.get("state", {})]
     if shared:
         lines += ["", "recurrent state in pieces every TP size reads (rule 12), chunk 0:"]
@@ -275,11 +299,15 @@ def run(args: argparse.Namespace) -> int:
             share_tp_size=args.share_across_tp,
         )
         info = describe(layout)
-        if args.reader_tp:
-            info["reader"] = {"tp": args.reader_tp, "groups": readers(layout, args.reader_tp)}
     except PlacementError as exc:
-        print(f"kvsidecar layout: error: {exc}", file=sys.stderr)
+        print(f"kvsidecar layout: error: {in_flags(str(exc))}", file=sys.stderr)
         return 2
+    if args.reader_tp:
+        try:
+            info["reader"] = {"tp": args.reader_tp, "groups": readers(layout, args.reader_tp)}
+        except PlacementError as exc:  # the reader's TP size is the one that does not fit
+            print(f"kvsidecar layout: error: {in_flags(str(exc), '--reader-tp')}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(info, indent=2))
     else:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
+import stat
 from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvsidecar.cli.retention import render as render_retention
 from kvsidecar.rpc.servers import SERVICE_NAME
 from kvsidecar_client import PermissionDenied, SidecarError, TcpAuth
 from kvsidecar_client.probe import DaemonProbe
@@ -50,12 +53,14 @@ def query(target: str, timeout: float, auth: TcpAuth | None = None) -> dict[str,
 
 def render(info: dict[str, Any]) -> str:
     """A short human summary."""
+    master = info["master_address"] or "-"
+    detail = info["store_detail"]
     lines = [
         f"kvsidecar {info['daemon_version']} at {info['address']}: "
         + ("serving" if info["serving"] else "NOT serving")
         + f", up {info['uptime_seconds']:.0f}s",
-        f"store: {'healthy' if info['store_healthy'] else 'UNHEALTHY'} ({info['store_detail']}), "
-        f"master {info['master_address'] or '-'}",
+        f"store: {'healthy' if info['store_healthy'] else 'UNHEALTHY'} ({detail})"
+        + ("" if master in detail else f", master {master}"),
         f"tenancy: {info.get('tenancy') or 'single-tenant'}"
         + (f" (you: tenant {info['caller_tenant']})" if info.get("caller_tenant") else ""),
         f"gpu: {info.get('gpu') or 'off'}",
@@ -73,22 +78,32 @@ def render(info: dict[str, Any]) -> str:
         )
     if info.get("listeners"):
         lines.append("listeners:")
+        role = max(len(item["role"]) for item in info["listeners"])
+        address = max(len(item["address"]) for item in info["listeners"])
         for item in info["listeners"]:
             drops = int(item["dropped_packets"])
-            refused = f", refused {drops} packets" if drops else ""
-            lines.append(f"  {item['role']:18} {item['address']:28} allowed: {item['allowed']}{refused}")
+            refused = f", refused {drops} {_plural(drops, 'packet')}" if drops else ""
+            lines.append(f"  {item['role']:{role}}  {item['address']:{address}}  allowed: {item['allowed']}{refused}")
     if info.get("retention"):
-        from kvsidecar.cli.retention import render as retention
-
-        lines.append(retention(info["retention"]))
+        lines.append(render_retention(info["retention"]))
     if info["counters"]:
         lines.append("counters:")
         lines += [f"  {k} {v:g}" for k, v in sorted(info["counters"].items())]
     return "\n".join(lines)
 
 
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else f"{word}s"
+
+
 def nobody_at(path: str, timeout: float) -> str:
     """Why no daemon can answer on the Unix socket at path ("" when something accepts connections there)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0  # connect says why
+    if mode and not stat.S_ISSOCK(mode):
+        return f"{_kind(mode)}, not a socket"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(timeout)
         try:
@@ -102,6 +117,12 @@ def nobody_at(path: str, timeout: float) -> str:
         except OSError as exc:
             return exc.strerror or type(exc).__name__
     return ""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a regular file" if stat.S_ISREG(mode) else "a special file"
 
 
 def unreachable(target: str, why: str) -> str:
@@ -119,19 +140,19 @@ def run(
     """Print the status; the exit code says whether the daemon (and, unless live_only, its store) is healthy."""
     # A socket nobody listens on answers at once; gRPC would retry it for seconds and then say so at length.
     why = nobody_at(target.removeprefix("unix://"), timeout) if target.startswith("unix://") else ""
+    if not why:
+        try:
+            info = query(target, timeout, auth)
+        except grpc.RpcError as exc:
+            why = _failed(exc.code(), exc.details())
+        except SidecarError as exc:
+            why = _failed(exc.code or grpc.StatusCode.UNAVAILABLE, exc.reason)
     if why:
-        if not quiet:
+        if as_json and not quiet:
+            # A script reads the same shape whether or not a daemon answered: `jq .serving` is false here.
+            print(json.dumps({"address": target, "serving": False, "unreachable": why}, indent=2))
+        elif not quiet:
             print(unreachable(target, why))
-        return EXIT_UNREACHABLE
-    try:
-        info = query(target, timeout, auth)
-    except grpc.RpcError as exc:
-        if not quiet:
-            print(unreachable(target, _failed(exc.code(), exc.details())))
-        return EXIT_UNREACHABLE
-    except SidecarError as exc:
-        if not quiet:
-            print(unreachable(target, _failed(exc.code or grpc.StatusCode.UNAVAILABLE, exc.reason)))
         return EXIT_UNREACHABLE
     if not quiet:
         print(json.dumps(info, indent=2) if as_json else render(info))

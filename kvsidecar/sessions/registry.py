@@ -250,12 +250,14 @@ class SessionRegistry:
             raise
         self._metrics.regions_bytes.inc(memory.mapped_bytes)
         log.info(
-            "session %s registered %d regions: %d MiB of %s memory in %d mappings, in %.3f s",
+            "session %s registered %d region%s: %d MiB of %s memory in %d mapping%s, in %.3f s",
             session.id[:8],
             len(regions),
+            "" if len(regions) == 1 else "s",
             memory.mapped_bytes >> 20,
             memory.device or "host",
             len(memory.mappings),
+            "" if len(memory.mappings) == 1 else "s",
             time.monotonic() - began,
         )
         return memory

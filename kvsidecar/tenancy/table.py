@@ -165,7 +165,8 @@ class TenantTable:
         """One line for the start-up log and `kvsidecar status`."""
         if self.single:
             return "single-tenant (no tenants file: every socket peer may use every cache prefix)"
-        return f"multi-tenant: {len(self.tenants)} tenants from {self.source}"
+        n = len(self.tenants)
+        return f"multi-tenant: {n} tenant{'' if n == 1 else 's'} from {self.source}"
 
     def of(self, caller: Caller) -> list[Tenant]:
         """The tenants whose credentials the caller holds."""

@@ -64,8 +64,8 @@ class DiskTierNode:
         r = self.engine.recovery
         self.note = (
             f"disk tier {self.directory}: recovered {r.blocks} of {r.blocks} blocks on disk "
-            f"({r.bytes / MiB:.1f} MiB in {r.files} files, {r.seconds:.2f} s"
-            + (f"; {r.cut_tails} torn index tails cut)" if r.cut_tails else ")")
+            f"({r.bytes / MiB:.1f} MiB in {r.files} file{'' if r.files == 1 else 's'}, {r.seconds:.2f} s"
+            + (f"; {r.cut_tails} torn index tail{'' if r.cut_tails == 1 else 's'} cut)" if r.cut_tails else ")")
         )
         (log.warning if r.cut_tails else log.info)(
             "%s; %s writes, files of %d MiB",

@@ -586,6 +586,13 @@ def _check_rule_groups(groups: list[dict[str, Any]], where: str) -> None:
                 assert re.fullmatch(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", rule["record"]), rule["record"]
 
 
+def test_the_deploy_readme_lists_every_alert_of_the_rule_file():
+    alerts = [r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    table = (DEPLOY / "README.md").read_text().split("| alert | fires when |\n| --- | --- |\n", 1)[1].split("\n\n")[0]
+    listed = [re.match(r"\| `(\w+)` \| .+ \|$", row).group(1) for row in table.splitlines()]
+    assert listed == alerts, "deploy/README.md's alert table and deploy/prometheus/kvsidecar-rules.yaml differ"
+
+
 def test_plain_rule_file_structure():
     _check_rule_groups(yaml.safe_load(RULES.read_text())["groups"], _rel(RULES))
 

@@ -36,17 +36,32 @@ def open_sessions(daemon: Daemon) -> float:
     )
 
 
-def test_demo_against_a_running_daemon(mooncake_master, tmp_path):
-    daemon = Daemon(tmp_path, master=mooncake_master.address).start()
+def test_demo_against_a_running_daemon_with_tenants(mooncake_master, tmp_path):
+    """A daemon with a tenants file grants the demo's uid a prefix: the demo runs under it when told to."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.team-a]\nuids = [{os.getuid()}]\nprefixes = ["team-a/*"]\n')
+    daemon = Daemon(tmp_path, master=mooncake_master.address, extra=("--tenants", str(tenants))).start()
     try:
-        done = demo("--socket", daemon.socket)
+        refused = demo("--socket", daemon.socket)  # its own random prefix: not the tenant's
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "the daemon refused the demo's session under cache prefix 'kvsidecar-demo-" in refused.stdout
+        assert "--cache-prefix" in refused.stdout.splitlines()[-1]
+        done = demo("--socket", daemon.socket, "--cache-prefix", "team-a/demo")
         assert done.returncode == 0, done.stdout + done.stderr
         out = done.stdout
         assert f"daemon: unix://{daemon.socket}" in out and "started one" not in out
         assert "cold pass: lookup hit 0 of 200 tokens" in out
         assert "warm pass: cache cleared; lookup hit 192 of 200 tokens" in out
-        assert re.findall(r"rank (\d): saved 24 blocks .* 12 replicated ones left", out) == ["0", "1"]
-        assert re.findall(r"rank (\d): loaded 15 blocks .* 0 failed, 0 mismatched", out) == ["0", "1"]
+        assert re.findall(r"rank (\d): saved 24 blocks .* 12 replicated ones left to the other rank\n", out) == [
+            "0",
+            "1",
+        ]
+        loaded = (
+            r"rank (\d): loaded 15 blocks \(229.5 KiB: 12 mla, 2 sliding_window, 1 mamba\) .* 0 failed, 0 mismatched"
+        )
+        assert re.findall(loaded, out) == ["0", "1"]
+        # Why 15 blocks are more bytes than 24: what a block of each group holds, as the daemon counts it.
+        assert "blocks differ by group (mla 18.0 KiB, sliding_window 4.0 KiB, mamba 5.5 KiB)" in out
         assert "OK: every rank got its own bytes back, 0 mismatches" in out
         assert len(out.splitlines()) <= 12, out  # a few lines per pass
         assert open_sessions(daemon) == 0  # the demo closed every session it opened

@@ -309,6 +309,13 @@ def test_status_command(daemon, ranks):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "serving" in out.stdout and "store: healthy" in out.stdout and "Status" in out.stdout
+    lines = out.stdout.splitlines()
+    (store,) = [line for line in lines if line.startswith("store:")]
+    assert store.count(daemon.master) == 1, store  # the master once, however the store's health names it
+    # Columns hold whatever the socket's path: every listener's "allowed:" starts at one offset.
+    listeners = lines[lines.index("listeners:") + 1 : lines.index("counters:")]
+    assert len({line.index("  allowed: ") for line in listeners}) == 1, "\n".join(listeners)
+    assert "kvsidecar_disk_tier_" not in out.stdout  # no disk tier, no disk-tier counters
     # A node without a GPU never starts CUDA, and says so.
     assert "gpu: off (no NVIDIA GPU on this node)" in out.stdout
     quiet = subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, timeout=30)

@@ -162,7 +162,9 @@ def test_four_times_dram_then_restarts_keep_every_block(tmp_path):
     log = start(daemon)
     try:
         assert f"recovered {BLOCKS} of {BLOCKS} blocks on disk" in log, log[-3000:]
-        assert f"recovered {BLOCKS} of {BLOCKS} blocks" in status(daemon)
+        shown = status(daemon)
+        assert f"recovered {BLOCKS} of {BLOCKS} blocks" in shown
+        assert "kvsidecar_disk_tier_recovered_blocks_total" in shown  # with a disk tier, its counters too
         # Every prompt comes back, all of it from disk: DRAM starts empty.
         assert_exact(run_ranks(daemon, "verify"), at_least=TP * PROMPTS)
         m = metric_samples(daemon)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from kvsidecar.cli import bench
 from kvsidecar.config import Config
 
 KVSIDECAR = str(Path(sys.executable).with_name("kvsidecar"))
@@ -109,6 +111,18 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly():
     assert (out.returncode, out.stderr) == (141, "")
 
 
+def test_bench_runs_the_benchs_own_command_and_the_daemons_never_imports_it(tmp_path):
+    package = Path(bench.__file__).parents[1]
+    assert [p for p in package.rglob("*.py") if "kvsidecar_bench" in p.read_text()] == []
+    out = kvsidecar("bench", "--help")  # the bench's own help: the daemon's command became kvsidecar-bench
+    assert out.returncode == 0 and out.stdout.startswith("usage: kvsidecar bench"), out.stdout + out.stderr
+    assert bench.find(str(tmp_path), str(tmp_path)) is None  # neither beside the interpreter nor on PATH
+    fake = tmp_path / "kvsidecar-bench"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert bench.find(str(tmp_path / "bin"), str(tmp_path)) == str(fake)
+
+
 def test_status_without_a_daemon_says_so_in_one_line_and_how_to_start_one(tmp_path):
     missing = tmp_path / "none.sock"
     out = kvsidecar("status", "--socket", str(missing))
@@ -126,6 +140,22 @@ def test_status_without_a_daemon_says_so_in_one_line_and_how_to_start_one(tmp_pa
         f"kvsidecar status: no daemon at {stale} (a socket file nobody listens on, left by a daemon that is gone); "
         f"start one with: kvsidecar serve --socket {stale}\n"
     )
+    # A regular file is no socket: said so, not taken for one a dead daemon left.
+    regular = tmp_path / "passwd"
+    regular.write_text("root:x:0:0\n")
+    out = kvsidecar("status", "--socket", str(regular))
+    assert out.returncode == 2
+    assert out.stdout == (
+        f"kvsidecar status: no daemon at {regular} (a regular file, not a socket); start one with: kvsidecar serve "
+        f"--socket {regular}\n"
+    )
+    # --json answers in JSON either way: a script's `jq .serving` reads false, not a parse error.
+    out = kvsidecar("status", "--json", "--socket", str(stale))
+    assert out.returncode == 2 and json.loads(out.stdout) == {
+        "address": f"unix://{stale}",
+        "serving": False,
+        "unreachable": "a socket file nobody listens on, left by a daemon that is gone",
+    }
     # On the default socket, the way to start one is the plain command.
     out = kvsidecar("status", env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
     default = tmp_path / "kvsidecar" / "kvsidecar.sock"

@@ -1,16 +1,22 @@
-"""`kvsidecar layout`, run as a real process."""
+"""`kvsidecar layout` through the command's entry point, in this process: its output is a function of its flags
+(the console script as a real process, its exit statuses and a reader that leaves: test_command_line.py)."""
 
+import contextlib
+import io
 import json
+import re
 import subprocess
-import sys
 
 import pytest
 
+from kvsidecar.cli.main import main
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvsidecar", "layout", *args], capture_output=True, text=True, timeout=60
-    )
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["layout", *args])
+    return subprocess.CompletedProcess(["kvsidecar", "layout", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_json_for_example_a():
@@ -67,10 +73,14 @@ def test_table_is_readable():
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        (("--tp", "4", "--dcp", "3"), "dcp_size 3 must divide tp_size 4"),
+        (("--tp", "4", "--dcp", "3"), "--dcp 3 must divide --tp 4"),
         (("--groups", "attention"), "unknown group kind 'attention'"),
-        (("--tp", "0"), "tp_size must be in [1, 1024]"),
+        (("--tp", "0"), "--tp must be in [1, 1024]"),
         (("--model", "a@b"), "must not contain '@'"),
+        # The flags, not the placement rules' parameter names (num_kv_heads, tp_size); the reader's TP is its own.
+        (("--tp", "3", "--kv-heads", "2"), ": --kv-heads 2 and --tp 3 must divide one another"),
+        (("--tp", "2", "--kv-heads", "2", "--reader-tp", "3"), ": --kv-heads 2 and --reader-tp 3 must divide one"),
+        (("--block-size", "0"), ": --block-size must be in"),
     ],
 )
 def test_invalid_layouts_exit_nonzero_with_one_line(args, reason):
@@ -79,6 +89,32 @@ def test_invalid_layouts_exit_nonzero_with_one_line(args, reason):
     assert out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and reason in lines[0]
+
+
+def test_the_header_names_the_value_id_every_key_carries():
+    """Groups shared across TP sizes carry their own value ids: the header shows those, never the layout's."""
+    out = run("--tp", "4", "--kv-heads", "8", "--share-across-tp", "--reader-tp", "2")
+    assert out.returncode == 0, out.stderr
+    header = out.stdout.splitlines()[0]
+    keys = re.findall(r"kvs1@@([^@]+)@", out.stdout)
+    assert keys and set(keys) == {header.split()[1]}, (header, set(keys))
+    mixed = run("--tp", "2", "--kv-heads", "2", "--groups", "mla,full_attention,mamba", "--share-across-tp").stdout
+    assert mixed.startswith("model model (value id per group: see its keys)  tp 2"), mixed
+    assert len(set(re.findall(r"kvs1@@([^@]+)@", mixed))) == 3
+
+
+def test_each_key_is_labelled_with_the_ranks_that_hold_it_and_its_writer():
+    out = run("--tp", "4", "--kv-heads", "2", "--groups", "mla,full_attention,mamba/64")
+    assert out.returncode == 0, out.stderr
+    labels = [line.split(": kvs1@@")[0] for line in out.stdout.splitlines() if ": kvs1@@" in line]
+    assert labels == [
+        "  group 0 held by ranks 0 1 2 3, written by 0",
+        "  group 1 held by ranks 0 1, written by 1",  # the writers the table names: 1 and 3
+        "  group 1 held by ranks 2 3, written by 3",
+        *(f"  group 2 held by rank {r}, written by {r}" for r in range(4)),
+    ]
+    assert "group  kind            span  factor  keys/boundary  shard of rank  writers of chunk 0" in out.stdout
+    assert "1      full_attention  16    2       2              0 0 1 1        1 3" in out.stdout
 
 
 def test_a_reader_of_another_tp_size_sees_who_wrote_each_value():

@@ -191,6 +191,16 @@ def test_a_failed_gpu_path_reaches_stats_and_makes_status_exit_1():
         assert status.exit_code(info, live_only=True) == status.EXIT_HEALTHY
 
 
+def test_stats_counts_the_disk_tier_only_on_a_daemon_that_has_one():
+    svc = service()
+    counters = call(svc.Stats, pb.StatsRequest()).counters
+    assert "kvsidecar_saved_bytes_total" in counters
+    assert not [name for name in counters if name.startswith("kvsidecar_disk_tier_")], sorted(counters)
+    svc.metrics.tier_capacity_bytes.labels("disk").set(256 << 20)  # what a disk tier sets at start (tiers/node.py)
+    assert "kvsidecar_disk_tier_written_bytes_total" in call(svc.Stats, pb.StatsRequest()).counters
+    svc.shutdown_pools()
+
+
 def test_the_boundary_answers_garbage_unknown_sessions_and_shutdown_with_their_statuses():
     svc = service()
     err = refused(svc.Lookup, wire.Undecodable("kvsidecar.v1.LookupRequest", "truncated"))

@@ -79,6 +79,12 @@ def test_single_tenant_grants_everything():
     assert t.describe().startswith("single-tenant")
 
 
+def test_the_tenancy_line_counts_tenants_in_words():
+    assert table().describe() == "multi-tenant: 3 tenants from t.toml"
+    one = parse_tenants('[tenants.solo]\nuids = [1]\nprefixes = ["s"]\n', "one.toml")
+    assert one.describe() == "multi-tenant: 1 tenant from one.toml"
+
+
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
