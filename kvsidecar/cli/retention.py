@@ -18,7 +18,7 @@ def render(usage: list[dict[str, Any]]) -> str:
         name = u["tenant"] or "(single tenant)"
         lines.append(
             f"  {name}: {_mib(u['retained_bytes'])} of {_mib(u['budget_bytes'])} retained, "
-            f"{u['values']} values, {_mib(u['hard_pinned_bytes'])} hard-pinned"
+            f"{u['values']} value{'' if int(u['values']) == 1 else 's'}, {_mib(u['hard_pinned_bytes'])} hard-pinned"
         )
     return "\n".join(lines)
 

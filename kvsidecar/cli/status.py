@@ -76,6 +76,8 @@ def render(info: dict[str, Any]) -> str:
             + f"  {s['client_name']}"
             + (f"  tenant {s['tenant']}" if s.get("tenant") else "")
         )
+    if info.get("retention"):
+        lines.append(render_retention(info["retention"]))
     if info.get("listeners"):
         lines.append("listeners:")
         role = max(len(item["role"]) for item in info["listeners"])
@@ -84,8 +86,6 @@ def render(info: dict[str, Any]) -> str:
             drops = int(item["dropped_packets"])
             refused = f", refused {drops} {_plural(drops, 'packet')}" if drops else ""
             lines.append(f"  {item['role']:{role}}  {item['address']:{address}}  allowed: {item['allowed']}{refused}")
-    if info.get("retention"):
-        lines.append(render_retention(info["retention"]))
     if info["counters"]:
         lines.append("counters:")
         lines += [f"  {k} {v:g}" for k, v in sorted(info["counters"].items())]

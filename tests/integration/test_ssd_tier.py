@@ -262,7 +262,7 @@ def test_restarts_that_each_save_a_little_keep_the_first_prompt(tmp_path):
             if i < STARTS - 1:
                 continue
             # The last start finds the first prompt on disk (DRAM holds only this start's), and one file holds all.
-            assert f"({0.0625 * i:.1f} MiB in 1 files" in log, log[-3000:]
+            assert f"({0.0625 * i:.1f} MiB in 1 file," in log, log[-3000:]
             hit = rank.lookup([_prompt(0)], 17)
             assert hit.hit_tokens == 16
             assert not rank.load([_prompt(0)], [[0]], hit).failures
