@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.config import parse_size
+from kvsidecar.parsing import parse_size
 from kvsidecar.tiers.records import indexed_keys
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
 

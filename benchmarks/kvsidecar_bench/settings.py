@@ -94,8 +94,8 @@ def _names(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 
 def _size(text: str) -> int:
-    from kvsidecar.config import parse_size
     from kvsidecar.errors import ConfigError
+    from kvsidecar.parsing import parse_size
 
     try:
         return parse_size(text)

@@ -7,8 +7,8 @@ import asyncio
 import logging
 import time
 
-from kvsidecar.config import parse_address
 from kvsidecar.errors import DaemonError
+from kvsidecar.parsing import parse_address
 
 __all__ = ["reach_master"]
 

@@ -22,13 +22,12 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvsidecar import __version__
-from kvsidecar.config import Config, parse_address
 from kvsidecar.daemon import notify
 from kvsidecar.daemon.loopback import LoopbackGuard
 from kvsidecar.daemon.master_link import reach_master
 from kvsidecar.daemon.parts import build_data_path, build_service, build_sessions, open_tenancy
 from kvsidecar.daemon.preflight import preflight
-from kvsidecar.daemon.settings import EventSettings, settings_of
+from kvsidecar.daemon.settings import EventSettings, Settings
 from kvsidecar.daemon.signals import Signals, StopSignals
 from kvsidecar.daemon.sockets import SocketLock, claim_socket
 from kvsidecar.datapath.retries import DEFAULT_CALL_S, RetryPolicy
@@ -39,6 +38,7 @@ from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.runtime import GpuRuntime
+from kvsidecar.parsing import parse_address
 from kvsidecar.rpc.datasocket import DataSocket
 from kvsidecar.rpc.servers import DISK_TIER_HEALTH, SERVICE_NAME, create_servers
 from kvsidecar.rpc.servicer import SidecarService
@@ -66,14 +66,14 @@ class Daemon:
 
     def __init__(
         self,
-        config: Config,
+        settings: Settings,
         *,
         store: Store | None = None,
         registry: CollectorRegistry | None = None,
         signals: Signals | None = None,
     ) -> None:
         """signals: the process's stop signals (serve's); a daemon in a thread of a test has none of its own."""
-        self.settings = settings = settings_of(config)  # each part is told only its own settings from here on
+        self.settings = settings  # each part is told only its own settings from here on
         self.signals = signals or Signals()
         # The disk tier is the daemon's own (tiers/), so it opens no listener: a single node admits nobody.
         single_node = not settings.master.address
@@ -465,11 +465,11 @@ def _mooncake_environment(local_hostname: str) -> float:
     return timeout_ms / 1000 if timeout_ms > 0 else MOONCAKE_RPC_TIMEOUT_S  # <= 0: Mooncake waits its default
 
 
-async def serve(config: Config) -> None:
+async def serve(settings: Settings) -> None:
     """Run the daemon until SIGTERM or SIGINT, which also end a start at any point."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    daemon = Daemon(config, signals=StopSignals(loop, stop.set))
+    daemon = Daemon(settings, signals=StopSignals(loop, stop.set))
     loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
     starting = asyncio.ensure_future(daemon.start())
     stopping = asyncio.ensure_future(stop.wait())

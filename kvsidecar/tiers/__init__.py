@@ -7,5 +7,5 @@ directory, holdings).
 
 No listener: the daemon reads its own disk, so the fence admits nobody with a disk tier (docs/ssd-tier.md).
 
-Imports: config, errors, metrics, store.
+Imports: errors, parsing, metrics, store.
 """

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvsidecar.config import Config
+from kvsidecar.config import Config, settings_of
 from kvsidecar.daemon.parts import build_data_path, build_service, build_sessions, open_tenancy
-from kvsidecar.daemon.settings import settings_of
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest, DaemonError, Exhausted
 from kvsidecar.metrics import Metrics
