@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
+from kvsidecar_testing.processes import Daemon
 
 GIB = 1 << 30
 BLOCK = 16

@@ -83,7 +83,7 @@ def summary(ms: list[float]) -> str:
 
 
 def main() -> None:
-    from kvsidecar.testing.processes import Daemon
+    from kvsidecar_testing.processes import Daemon
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=20)

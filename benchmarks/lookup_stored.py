@@ -78,7 +78,7 @@ def _hashes(tag: str, count: int) -> list[bytes]:
 def worker(tokens: int, fractions: list[float], workdir: Path) -> None:
     """One tree's daemon and sessions; answers 'lookup FRACTION' lines with the seconds one lookup took."""
     try:
-        from kvsidecar.testing.processes import Daemon
+        from kvsidecar_testing.processes import Daemon
     except ImportError:  # a tree whose test harness left the daemon's package
         from kvsidecar_testing.processes import Daemon  # type: ignore[import-not-found,no-redef]
 

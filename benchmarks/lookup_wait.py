@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.lookup import _client, _populate
 from kvsidecar_bench.shapes import BLOCK_TOKENS, hashes_for
+from kvsidecar_testing.processes import Daemon
 
 LENGTHS = (1024, 16384, 65536)
 ROUNDS = 10

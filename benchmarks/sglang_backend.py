@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "sglang"), str(REPO / "tests" / "vllm_connector"), str(REPO)]
+sys.path[:0] = [str(REPO / sub) for sub in ("tests/sglang", "tests/vllm_connector", ".", "testing")]
 
 from sidecar_daemon import Daemon  # noqa: E402
 
-from kvsidecar.testing.mooncake_env import MooncakeEnv  # noqa: E402
-from kvsidecar.testing.processes import LOOPBACK, free_port, stop_pid  # noqa: E402
+from kvsidecar_testing.mooncake_env import MooncakeEnv  # noqa: E402
+from kvsidecar_testing.processes import LOOPBACK, free_port, stop_pid  # noqa: E402
 
 GIB = 2**30
 SHAPES = {

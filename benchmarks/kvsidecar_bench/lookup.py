@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.mooncake_direct import DirectClient
 from kvsidecar_bench.progress import Progress
@@ -32,6 +31,7 @@ from kvsidecar_contract.placement import (
     lookup_plan,
     parse_groups,
 )
+from kvsidecar_testing.processes import Daemon
 
 __all__ = ["CASES", "GROUPS", "LookupPoint", "measure_lookups"]
 

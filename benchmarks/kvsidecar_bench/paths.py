@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, Request
+from kvsidecar_testing.processes import Daemon
 
 __all__ = ["Clock", "DaemonPath", "DataPath", "GatherDmaPath", "MemcpyPath", "Timing", "model_name"]
 

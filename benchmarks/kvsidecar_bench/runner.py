@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.mooncake_env import MooncakeEnv
-from kvsidecar.testing.processes import Daemon, ProcessError, StorageNode
 from kvsidecar_bench import lookup, scaling, step, throughput, volume
 from kvsidecar_bench.device import check_device
 from kvsidecar_bench.errors import BenchError
@@ -28,6 +26,8 @@ from kvsidecar_bench.render import render_markdown
 from kvsidecar_bench.report import Results, to_json
 from kvsidecar_bench.settings import Settings, command_line, from_args, out_dir
 from kvsidecar_bench.shapes import SHAPES, EngineMemory, scale_rank_shape
+from kvsidecar_testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.processes import Daemon, ProcessError, StorageNode
 
 __all__ = ["main", "run"]
 

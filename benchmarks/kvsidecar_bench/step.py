@@ -20,13 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.paths import Clock, Timing, model_name
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, hashes_for
 from kvsidecar_bench.stats import Samples, ratio, rotated
+from kvsidecar_testing.processes import Daemon
 
 __all__ = ["MODES", "StepPoint", "measure_step", "step_bytes", "steps"]
 

@@ -16,9 +16,9 @@ from conftest import A_IP, B_IP, C_IP, CLIENT_TTL_S, MANIFEST, OUTSIDE_IP, PEERS
 from netns import Fabric, Node
 from nodes import Daemon, listener_filters
 
-from kvsidecar.testing.oracle import Prompt
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key, key_prefix
+from kvsidecar_testing.oracle import Prompt
+from kvsidecar_testing.ranks import RankProcess
 from support import e2e_rank
 from support.e2e_engine import GQA, MAMBA_CONV, MAMBA_SSM, MLA, SimEngine, cold_pass, scheduler, unique_model, warm_pass
 
@@ -105,7 +105,7 @@ def probe(node: Node, targets: list[str]) -> list[dict[str, str]]:
 
 def never_wrong_bytes(engine: SimEngine, prompt: Prompt, hit_tokens: int) -> None:
     """Every block holds what the oracle says after the load, or still the poison of a cleared block."""
-    from kvsidecar.testing.oracle import POISON, digest
+    from kvsidecar_testing.oracle import POISON, digest
 
     found = engine.digests()
     problems = engine.verify(prompt, hit_tokens)

@@ -14,10 +14,10 @@ from conftest import A_IP, B_IP, Master, daemon_flags
 from netns import Fabric
 from nodes import Daemon
 
-from kvsidecar.testing.oracle import Prompt
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar.tiers.records import indexed_keys
 from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_testing.oracle import Prompt
+from kvsidecar_testing.ranks import RankProcess
 from support import e2e_rank
 from support.e2e_engine import GQA, SimEngine, cold_pass, scheduler, unique_model, warm_pass
 

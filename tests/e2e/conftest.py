@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_client import SidecarClient
 from kvsidecar_contract.placement import Layout
+from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.ranks import RankProcess
 from support import e2e_rank
 from support.e2e_engine import SimEngine, TensorSpec, scheduler
 

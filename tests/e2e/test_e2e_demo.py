@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.testing.processes import Daemon
+from kvsidecar_testing.processes import Daemon
 
 pytestmark = pytest.mark.integration
 

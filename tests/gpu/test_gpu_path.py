@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, Parallel, kind_of, load_plan, save_plan
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.ranks import RankProcess
 from support.cuda_rank import BLOCK_TOKENS, DEVICE, CudaRank
 
 pytestmark = pytest.mark.integration

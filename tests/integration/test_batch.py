@@ -9,8 +9,6 @@ import grpc
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import (
     EngineLayout,
     InvalidRequest,
@@ -23,6 +21,8 @@ from kvsidecar_client import (
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto.sidecar_pb2_grpc import SidecarStub
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import Daemon
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ import urllib.request
 import grpc
 import pytest
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.waiting import wait_until
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration

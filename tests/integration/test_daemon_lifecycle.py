@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.metric_names import metric_names_in_deploy, sample_names
 from kvsidecar.daemon.master import EmbeddedMaster
-from kvsidecar.testing.processes import Daemon, free_port, stop_pid
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.processes import Daemon, free_port, stop_pid
+from kvsidecar_testing.waiting import wait_until
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration

@@ -17,14 +17,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import EngineLayout, LoadItem, SaveItem, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_client._side import SideSocket
 from kvsidecar_contract import frames
 from kvsidecar_contract.paths import data_socket_path, side_socket_path
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import Daemon
 from support.localusers import shared_dir, throwaway_users
 from support.rawrank import group, open_request
 

@@ -17,11 +17,11 @@ import torch
 
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store import StoreCode
-from kvsidecar.testing.processes import Daemon, StorageNode
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_client import DaemonUnavailable, EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, block_key
+from kvsidecar_testing.processes import Daemon, StorageNode
+from kvsidecar_testing.waiting import wait_until
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -229,7 +229,7 @@ def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
 
 
 def test_master_killed_during_traffic_no_wrong_bytes_and_recovery(tmp_path):
-    from kvsidecar.testing.processes import free_port
+    from kvsidecar_testing.processes import free_port
 
     master = EmbeddedMaster(rpc_port=free_port(), metrics_port=free_port()).start()
     daemon = Daemon(tmp_path, allow_shm_names=True, master=master.address).start()

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.waiting import wait_until
+from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

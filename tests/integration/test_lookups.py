@@ -12,12 +12,12 @@ import grpc
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_client.session import SessionKeeper
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import Daemon
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration

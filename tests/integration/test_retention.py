@@ -21,9 +21,6 @@ import torch
 from kvsidecar.cli.main import main
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.events.messages import KVEventBatch
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon, StorageNode, free_port
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_client import (
     DaemonProbe,
     EngineLayout,
@@ -33,6 +30,9 @@ from kvsidecar_client import (
     SidecarClient,
     shared_tensor,
 )
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import Daemon, StorageNode, free_port
+from kvsidecar_testing.waiting import wait_until
 from support.kv_subscriber import KvSubscriber
 
 pytestmark = pytest.mark.integration

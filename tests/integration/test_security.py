@@ -11,10 +11,10 @@ import sys
 import grpc
 import pytest
 
-from kvsidecar.testing.processes import Daemon, free_port
 from kvsidecar_client import EngineLayout, GroupSpec, PermissionDenied, SidecarClient, TcpAuth
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_testing.processes import Daemon, free_port
 from support.certs import make_pki
 from support.rawrank import RawRank, group, open_request
 

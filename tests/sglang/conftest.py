@@ -21,7 +21,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "vllm_connector")]
 
 from sidecar_daemon import Daemon, cache_prefix  # noqa: E402,F401 (shared fixtures)
 
-from kvsidecar.testing.processes import free_port  # noqa: E402
+from kvsidecar_testing.processes import free_port  # noqa: E402
 
 # The tenant of this account may open sessions under the prefixes cache_prefix makes ("t" + hex), no others.
 GRANTED = "t*"

@@ -1,8 +1,8 @@
-"""The commands one end-to-end engine rank serves in its own process (driven by `kvsidecar.testing.ranks`).
+"""The commands one end-to-end engine rank serves in its own process (driven by `kvsidecar_testing.ranks`).
 
 The rank is deliberately dumb: it owns shared-memory KV-cache tensors and real `SidecarClient`s, writes the
 patterns it is told to, saves, looks up and loads what it is told to, and reports block fingerprints. Deciding
-what the bytes should be is the test's job (`kvsidecar.testing.oracle`).
+what the bytes should be is the test's job (`kvsidecar_testing.oracle`).
 
 `start(workdir, name)` spawns one; `each(procs, op, args)` sends a command to several ranks at once and collects
 their answers, so their saves and loads reach the daemon concurrently, as an engine's ranks do.
@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.oracle import POISON, digest, pattern
-from kvsidecar.testing.ranks import RankError, RankProcess, each
+from kvsidecar_testing.oracle import POISON, digest, pattern
+from kvsidecar_testing.ranks import RankError, RankProcess, each
 
 __all__ = ["RankError", "RankProcess", "each", "start"]
 

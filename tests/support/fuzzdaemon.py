@@ -8,9 +8,9 @@ from pathlib import Path
 
 import grpc
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_testing.processes import Daemon
 
 GiB = 1 << 30
 

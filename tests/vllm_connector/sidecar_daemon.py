@@ -1,7 +1,8 @@
-"""The daemon these tests run against: `kvsidecar.testing`'s, run by the main venv's interpreter.
+"""The daemon these tests run against: `kvsidecar_testing`'s, run by the main venv's interpreter.
 
 vLLM's venv has only the client and the contract, so the daemon process runs from the main venv (scripts/setup.sh)
-and only `kvsidecar.testing`, which needs nothing but the standard library, is imported here from the checkout.
+and only `kvsidecar_testing`'s processes, which need nothing but the standard library, are imported here from the
+checkout (testing/).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _folder in (REPO, REPO / "testing"):  # kvsidecar (for its version) and kvsidecar_testing, from the checkout
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
-from kvsidecar.testing import processes  # noqa: E402
-from kvsidecar.testing.mooncake_env import MooncakeEnv  # noqa: E402
+from kvsidecar_testing import processes  # noqa: E402
+from kvsidecar_testing.mooncake_env import MooncakeEnv  # noqa: E402
 
 __all__ = ["Daemon", "daemon_python"]
 

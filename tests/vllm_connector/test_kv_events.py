@@ -15,7 +15,7 @@ from sidecar_engine import BLOCK, LAYOUTS, Engine, kv_cache_config, vllm_config
 from test_failures import key
 from vllm.distributed.kv_events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from kvsidecar.testing.processes import free_port
+from kvsidecar_testing.processes import free_port
 from support.kv_subscriber import KvSubscriber, stored_hashes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -18,7 +18,7 @@ from sidecar_daemon import Daemon
 from test_server import readme_flag, start
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvsidecar.testing.processes import free_port
+from kvsidecar_testing.processes import free_port
 from support.kv_subscriber import KvSubscriber
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

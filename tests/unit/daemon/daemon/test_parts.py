@@ -19,9 +19,9 @@ from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
-from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar.values import LookupArgs, Role, SaveArgs
 from kvsidecar_contract.placement import Chunk, Geometry
+from kvsidecar_testing.hashes import chained_hashes
 from support.stateranks import Attention, Latent, Model, Rank
 
 

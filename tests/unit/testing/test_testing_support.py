@@ -1,4 +1,4 @@
-"""kvsidecar.testing's own parts: waits run on the clock they are given, the Mooncake environment is private."""
+"""kvsidecar_testing's own parts: waits run on the clock they are given, the Mooncake environment is private."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from kvsidecar.testing.mooncake_env import CLIENT_ENV, MooncakeEnv
-from kvsidecar.testing.processes import Daemon, ProcessError
-from kvsidecar.testing.waiting import Backoff, WaitTimeout, wait_until
+from kvsidecar_testing.mooncake_env import CLIENT_ENV, MooncakeEnv
+from kvsidecar_testing.processes import Daemon, ProcessError
+from kvsidecar_testing.waiting import Backoff, WaitTimeout, wait_until
 
 
 class FakeClock:

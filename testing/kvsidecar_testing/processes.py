@@ -18,8 +18,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvsidecar.testing.mooncake_env import MooncakeEnv
-from kvsidecar.testing.waiting import DEFAULT_BACKOFF, SYSTEM_CLOCK, Backoff, Clock, wait_until
+from kvsidecar_testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.waiting import DEFAULT_BACKOFF, SYSTEM_CLOCK, Backoff, Clock, wait_until
 
 __all__ = ["LOOPBACK", "Daemon", "ProcessError", "StorageNode", "free_port", "stop_pid"]
 
