@@ -32,7 +32,7 @@ from across_tp import BLOCK, HEAD_SIZE, report_loads, save_all
 
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
 from kvsidecar_contract.placement import share_tp_size_of
-from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.processes import DaemonProcess
 from kvsidecar_testing.states import Mamba2
 
 KV_HEADS = 8
@@ -122,7 +122,7 @@ def main() -> None:
     segment = f"{4 * distinct // MIB + 256}MiB"  # three writers, whole values of up to 36 MiB
     w = args.writer_tp
     with tempfile.TemporaryDirectory() as work:
-        daemon = Daemon(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
+        daemon = DaemonProcess(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
         try:
             rows = []
             cut = f"cut at TP={w}"

@@ -83,7 +83,7 @@ def summary(ms: list[float]) -> str:
 
 
 def main() -> None:
-    from kvsidecar_testing.processes import Daemon
+    from kvsidecar_testing.processes import DaemonProcess
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=20)
@@ -98,7 +98,7 @@ def main() -> None:
     for flags in args.configs.split(";"):
         work = Path(tempfile.mkdtemp(prefix="kvs-fair-", dir="/tmp"))
         work.chmod(0o777)
-        d = Daemon(work, extra=("--socket-mode", "0666", *flags.split()), log_level="info")
+        d = DaemonProcess(work, extra=("--socket-mode", "0666", *flags.split()), log_level="info")
         d.start()
         try:
             alone = victim(d.target, args.seconds / 2)

@@ -78,11 +78,11 @@ def _hashes(tag: str, count: int) -> list[bytes]:
 def worker(tokens: int, fractions: list[float], workdir: Path) -> None:
     """One tree's daemon and sessions; answers 'lookup FRACTION' lines with the seconds one lookup took."""
     try:
-        from kvsidecar_testing.processes import Daemon
-    except ImportError:  # a tree whose test harness left the daemon's package
-        from kvsidecar_testing.processes import Daemon  # type: ignore[import-not-found,no-redef]
+        from kvsidecar_testing.processes import DaemonProcess
+    except ImportError:  # a tree from before the test machinery left the daemon's package (the --before side)
+        from kvsidecar.testing.processes import Daemon as DaemonProcess  # type: ignore[import-not-found,no-redef]
 
-    daemon = Daemon(workdir, session_ttl=None, segment_size="1GiB", local_buffer_size=None, log_level="warning")
+    daemon = DaemonProcess(workdir, session_ttl=None, segment_size="1GiB", local_buffer_size=None, log_level="warning")
     daemon.start()
     try:
         blocks = tokens // BLOCK_TOKENS

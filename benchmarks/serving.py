@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     set_environment(args.device, work / "cache")
     import vllm
     from models import VOCAB
-    from sidecar_daemon import Daemon
+    from sidecar_daemon import SidecarDaemon
 
     model = tiny_model(preset, f"llama-serving-{args.preset}")
     step = Progress()
@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     (work / "daemon").mkdir(exist_ok=True)
     step("starting the daemon")
-    daemon = Daemon(work / "daemon", segment_size=preset.segment).start()
+    daemon = SidecarDaemon(work / "daemon", segment_size=preset.segment).start()
     try:
         counters_start = daemon.counters()
         step("engines A (connector) and C (no connector)")

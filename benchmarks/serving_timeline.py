@@ -104,7 +104,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     serving.set_environment("cpu", work / "cache")
     from models import VOCAB
-    from sidecar_daemon import Daemon
+    from sidecar_daemon import SidecarDaemon
 
     instrument()
     model_dir = serving.tiny_model(preset, "llama-serving-cpu").build(work / "models")
@@ -112,7 +112,7 @@ def main() -> int:
     chosen = {n: prompts.fresh(n) for n in lengths}
     prefix = f"timeline{uuid.uuid4().hex[:8]}"
     (work / "daemon").mkdir(exist_ok=True)
-    daemon = Daemon(work / "daemon", segment_size=preset.segment).start()
+    daemon = SidecarDaemon(work / "daemon", segment_size=preset.segment).start()
     try:
         a = serving.start_engine(model_dir, preset, socket=daemon.target, prefix=prefix)
         serving.serve_one(a, prompts.fresh(256), 4)

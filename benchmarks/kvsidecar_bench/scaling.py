@@ -19,7 +19,7 @@ from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, Request, scale_rank_shape
 from kvsidecar_bench.stats import GIB, gib_per_s
-from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.processes import DaemonProcess
 from kvsidecar_testing.ranks import RankError, RankProcess, each
 
 __all__ = ["MODEL", "ScalePoint", "ScaleRank", "measure_scaling"]
@@ -128,7 +128,7 @@ class ScaleRank:
 
 
 def measure_scaling(
-    daemon: Daemon,
+    daemon: DaemonProcess,
     rank_counts: Sequence[int],
     blocks: int,
     rounds: int,

@@ -145,11 +145,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
-    from kvsidecar_testing.processes import Daemon
+    from kvsidecar_testing.processes import DaemonProcess
 
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "tokens": TOKENS, "shapes": {}}
     with tempfile.TemporaryDirectory(prefix="serving-limit-") as work:
-        daemon = Daemon(Path(work), segment_size="8GiB", log_level="info")
+        daemon = DaemonProcess(Path(work), segment_size="8GiB", log_level="info")
         daemon.start(timeout=120)
         try:
             deadline = time.monotonic() + 120

@@ -113,7 +113,7 @@ def _serving(target: str, timeout: float = 1.0) -> bool:
 @contextlib.contextmanager
 def _daemon(socket_path: str) -> Iterator[str]:
     """The daemon's target: the one at socket_path, or one started here for the demo's duration."""
-    from kvsidecar_testing.processes import Daemon
+    from kvsidecar_testing.processes import DaemonProcess
 
     target = f"unix://{socket_path}"
     if os.path.exists(socket_path) and _serving(target):
@@ -121,7 +121,7 @@ def _daemon(socket_path: str) -> Iterator[str]:
         yield target
         return
     folder = tempfile.mkdtemp(prefix="kvsidecar-demo-")
-    daemon = Daemon(Path(folder), session_ttl=None, log_level="warning")
+    daemon = DaemonProcess(Path(folder), session_ttl=None, log_level="warning")
     try:
         try:
             daemon.start(START_TIMEOUT_S)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import A_IP, B_IP, Master, daemon_flags
 from netns import Fabric
-from nodes import Daemon
+from nodes import NodeDaemon
 
 from kvsidecar.tiers.records import indexed_keys
 from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
@@ -45,23 +45,23 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RankProcess
 @pytest.fixture(scope="module")
 def nodes(
     fabric: Fabric, master: Master, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, tuple[Daemon, Path]]]:
+) -> Iterator[dict[str, tuple[NodeDaemon, Path]]]:
     """Daemons on A and B, each with a 16 MiB segment and a disk tier of its own."""
     workdir = tmp_path_factory.mktemp("disk-daemons")
-    started: dict[str, tuple[Daemon, Path]] = {}
+    started: dict[str, tuple[NodeDaemon, Path]] = {}
     try:
         for name, ip in (("a", A_IP), ("b", B_IP)):
             node = fabric.add(int(ip.rsplit(".", 1)[1]))
             ssd = workdir / f"ssd-{name}"
             flags = [*daemon_flags(master, node), "--ssd-dir", str(ssd), "--ssd-size", "256MiB"]
-            started[name] = (Daemon(workdir, flags, node, name).start(), ssd)
+            started[name] = (NodeDaemon(workdir, flags, node, name).start(), ssd)
         yield started
     finally:
         for d, _ in started.values():
             d.stop()
 
 
-def hit_tokens(daemon: Daemon, layout: Layout, prompt: Prompt):  # type: ignore[no-untyped-def]
+def hit_tokens(daemon: NodeDaemon, layout: Layout, prompt: Prompt):  # type: ignore[no-untyped-def]
     client = scheduler(f"unix://{daemon.socket}", layout)
     try:
         return client.lookup(prompt.hashes, prompt.num_tokens)

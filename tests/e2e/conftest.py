@@ -8,7 +8,7 @@ import pytest
 
 from kvsidecar_client import SidecarClient
 from kvsidecar_contract.placement import Layout
-from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.processes import DaemonProcess
 from kvsidecar_testing.ranks import RankProcess
 from support import e2e_rank
 from support.e2e_engine import SimEngine, TensorSpec, scheduler
@@ -17,9 +17,9 @@ NUM_RANK_PROCESSES = 4  # the widest engine of the scenarios
 
 
 @pytest.fixture(scope="session")
-def e2e_daemon(mooncake_master, tmp_path_factory) -> Iterator[Daemon]:
+def e2e_daemon(mooncake_master, tmp_path_factory) -> Iterator[DaemonProcess]:
     """A real `kvsidecar serve` process on the session's master."""
-    daemon = Daemon(tmp_path_factory.mktemp("e2e-daemon"), master=mooncake_master.address).start()
+    daemon = DaemonProcess(tmp_path_factory.mktemp("e2e-daemon"), master=mooncake_master.address).start()
     yield daemon
     assert daemon.stop() == 0, daemon.log()
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar_testing.processes import DaemonProcess
 from support.localusers import for_other_accounts, shared_dir, throwaway_users, why_other_accounts_cannot_run
-from support.processes import DaemonProcess
 
 pytestmark = [
     pytest.mark.integration,

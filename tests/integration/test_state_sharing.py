@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest, SidecarClient, shared_tensor
+from kvsidecar_testing.processes import DaemonProcess
 from kvsidecar_testing.states import Mamba2
-from support.processes import DaemonProcess
 
 pytestmark = pytest.mark.integration
 

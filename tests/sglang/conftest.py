@@ -19,7 +19,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "vllm_connector")]
 
-from sidecar_daemon import Daemon, cache_prefix  # noqa: E402,F401 (shared fixtures)
+from sidecar_daemon import SidecarDaemon, cache_prefix  # noqa: E402,F401 (shared fixtures)
 
 from kvsidecar_testing.processes import free_port  # noqa: E402
 
@@ -28,14 +28,14 @@ GRANTED = "t*"
 
 
 @pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarDaemon]:
     """One real daemon (embedded real mooncake_master) for the run, multi-tenant; tests keep apart by prefix."""
     workdir = tmp_path_factory.mktemp("kvsidecar")
     tenants = workdir / "tenants.toml"
     tenants.write_text(f'[tenants.sglang]\nuids = [{os.getuid()}]\nprefixes = ["{GRANTED}"]\n')
     events = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     extra = ("--tenants", str(tenants), "--trust-local-accounts", "--kv-events-endpoint", events[0])
-    proc = Daemon(workdir, extra=(*extra, "--kv-events-replay-endpoint", events[1])).start()
+    proc = SidecarDaemon(workdir, extra=(*extra, "--kv-events-replay-endpoint", events[1])).start()
     proc.events = events  # type: ignore[attr-defined]
     try:
         yield proc

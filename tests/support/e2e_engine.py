@@ -20,7 +20,7 @@ from kvsidecar_client import EngineLayout, GroupSpec, Hit, SidecarClient
 from kvsidecar_contract.placement import Layout
 from kvsidecar_testing import oracle
 from kvsidecar_testing.oracle import Prompt, RankId
-from kvsidecar_testing.processes import Daemon
+from kvsidecar_testing.processes import DaemonProcess
 from kvsidecar_testing.ranks import RankProcess, each
 
 NUM_BLOCKS = 32
@@ -299,7 +299,7 @@ def placements_match_oracle(engine: SimEngine) -> None:
             assert (factor, span) == want, f"{rank} group {g}: daemon says {(factor, span)}, oracle {want}"
 
 
-def saved_blocks(daemon: Daemon) -> dict[str, float]:
+def saved_blocks(daemon: DaemonProcess) -> dict[str, float]:
     """The daemon's kvsidecar_saved_blocks counter per group kind, scraped from /metrics."""
     with urllib.request.urlopen(daemon.metrics_url, timeout=5) as reply:
         text = reply.read().decode()

@@ -25,7 +25,7 @@ for _folder in (REPO, REPO / "testing"):  # kvsidecar (for its version) and kvsi
 from kvsidecar_testing import processes  # noqa: E402
 from kvsidecar_testing.mooncake_env import MooncakeEnv  # noqa: E402
 
-__all__ = ["Daemon", "daemon_python"]
+__all__ = ["SidecarDaemon", "daemon_python"]
 
 STATUS_TRIES = 3
 
@@ -35,7 +35,7 @@ def daemon_python() -> Path:
     return Path(os.environ.get("KVSIDECAR_PYTHON", str(REPO / ".venv" / "bin" / "python")))
 
 
-class Daemon(processes.Daemon):
+class SidecarDaemon(processes.DaemonProcess):
     """`kvsidecar serve` with an embedded mooncake_master, on a socket in workdir, run by the main venv."""
 
     def __init__(self, workdir: Path, extra: Sequence[str] = (), *, segment_size: str = "64MiB") -> None:
@@ -97,9 +97,9 @@ class Daemon(processes.Daemon):
 
 
 @pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarDaemon]:
     """One real daemon (embedded real mooncake_master) for the run; tests keep apart by their own cache_prefix."""
-    proc = Daemon(tmp_path_factory.mktemp("kvsidecar")).start()
+    proc = SidecarDaemon(tmp_path_factory.mktemp("kvsidecar")).start()
     try:
         yield proc
     finally:
