@@ -12,7 +12,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import A_IP, B_IP, C_IP, CLIENT_TTL_S, MANIFEST, OUTSIDE_IP, PEERS, Master, daemon_flags
+from conftest import (
+    A_IP,
+    B_IP,
+    C_IP,
+    CLIENT_TTL_S,
+    MANIFEST,
+    OUTSIDE_IP,
+    PEERS,
+    Master,
+    daemon_flags,
+    daemons_on_a_and_b,
+)
 from netns import Fabric, Node
 from nodes import NodeDaemon, listener_filters
 
@@ -35,30 +46,15 @@ def hybrid(name: str) -> Layout:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RankProcess]]:
     """Four rank processes in the root namespace: the engine on A uses 0-1, the one on B 2-3."""
-    workdir = tmp_path_factory.mktemp("cluster-ranks")
-    procs = [e2e_rank.start(workdir, f"rank{i}") for i in range(4)]
-    try:
-        for proc in procs:
-            proc.wait_ready()
+    with e2e_rank.started(tmp_path_factory.mktemp("cluster-ranks"), 4) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture(scope="module")
 def nodes(fabric: Fabric, master: Master, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeDaemon]]:
     """Daemons on nodes A and B (in the peer network), each contributing a 16 MiB segment."""
-    workdir = tmp_path_factory.mktemp("cluster-daemons")
-    started: dict[str, NodeDaemon] = {}
-    try:
-        for name, ip in (("a", A_IP), ("b", B_IP)):
-            node = fabric.add(int(ip.rsplit(".", 1)[1]))
-            started[name] = NodeDaemon(workdir, daemon_flags(master, node), node, name).start()
+    with daemons_on_a_and_b(fabric, master, tmp_path_factory.mktemp("cluster-daemons")) as started:
         yield started
-    finally:
-        for d in started.values():
-            d.stop()
 
 
 def engine_on(daemon: NodeDaemon, procs: list[RankProcess], layout: Layout) -> SimEngine:

@@ -30,16 +30,10 @@ def rank_procs(request, tmp_path_factory) -> Iterator[list[RankProcess]]:
 
     Starting a process costs 1-3 s (torch), so scenarios reuse them; one scenario's rank i is process i.
     """
-    workdir = tmp_path_factory.mktemp("e2e-ranks")
-    procs = [e2e_rank.start(workdir, f"rank{i}") for i in range(NUM_RANK_PROCESSES)]
-    try:
-        request.getfixturevalue("e2e_daemon")  # start the daemon while the ranks import torch
-        for proc in procs:
-            proc.wait_ready()
+    # The daemon starts while the ranks import torch.
+    meanwhile = lambda: request.getfixturevalue("e2e_daemon")  # noqa: E731
+    with e2e_rank.started(tmp_path_factory.mktemp("e2e-ranks"), NUM_RANK_PROCESSES, meanwhile) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture

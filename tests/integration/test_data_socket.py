@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,13 +32,6 @@ pytestmark = pytest.mark.integration
 U = 16
 NUM_BLOCKS = 32
 INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED = 3, 5, 7, 8
-
-
-@pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path, master=mooncake_master.address).start()
-    yield d
-    assert d.stop() == 0, d.log()
 
 
 def connect(daemon: DaemonProcess, key_prefix: str, **kw: object) -> tuple[SidecarClient, torch.Tensor]:

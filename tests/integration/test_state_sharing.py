@@ -36,17 +36,6 @@ TOKENS = 16 * BLOCKS
 WHOLE = torch.randn((2, BLOCKS, HEADS, 16, 32), generator=torch.Generator().manual_seed(5)).half()
 
 
-@pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "d", master=mooncake_master.address)
-    d.workdir.mkdir()
-    d.start()
-    try:
-        yield d
-    finally:
-        assert d.stop() == 0, d.log()
-
-
 class Rank:
     """One engine rank of TP tp: a session, attention K and V, and a padded state page per layer and block."""
 

@@ -26,17 +26,6 @@ TOKENS = 16 * BLOCKS
 ATTENTION = [ClientGroup("full_attention", block_size=16)]
 
 
-@pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "d", master=mooncake_master.address)
-    d.workdir.mkdir()
-    d.start()
-    try:
-        yield d
-    finally:
-        assert d.stop() == 0, d.log()
-
-
 def kv_cache(heads: int) -> torch.Tensor:
     """One layer's K and V as vLLM's CPU backend lays them out: (2, blocks, heads, block_size, head_size), HND."""
     return shared_tensor((2, 8, heads, 16, 32), torch.float16)

@@ -10,20 +10,36 @@ their answers, so their saves and loads reach the daemon concurrently, as an eng
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from kvsidecar_testing.oracle import POISON, digest, pattern
 from kvsidecar_testing.ranks import RankError, RankProcess, each
 
-__all__ = ["RankError", "RankProcess", "each", "start"]
+__all__ = ["RankError", "RankProcess", "each", "start", "started"]
 
 
 def start(workdir: Path, name: str) -> RankProcess:
     """Spawn a rank process (it imports torch and the client first); `wait_ready` before the first command."""
     return RankProcess(E2ERank, name=name, log_path=workdir / f"{name}.log").spawn()
+
+
+@contextlib.contextmanager
+def started(workdir: Path, count: int, meanwhile: Callable[[], object] = lambda: None) -> Iterator[list[RankProcess]]:
+    """count rank processes rank0.., ready (`meanwhile` runs while they import torch), stopped at the end."""
+    procs = [start(workdir, f"rank{i}") for i in range(count)]
+    try:
+        meanwhile()
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 class _Engine:
