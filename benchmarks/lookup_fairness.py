@@ -3,9 +3,9 @@
     flock /tmp/kvsidecar-heavy.lock .venv/bin/python benchmarks/lookup_fairness.py --seconds 20
 
 Runs a real daemon (embedded master) per configuration (daemon flags, `;` between configurations); an attacker
-process dropped to uid `nobody` runs two threads of 2^20-hash lookups in a loop (issue 22's attack; a refused call
-is sent again) while this process (root, another account) times 64-hash lookups. Prints the victim's p50/p99 alone
-and under attack, per configuration. Needs root.
+process dropped to uid `nobody` runs two threads of 2^20-hash lookups in a loop (one account flooding the lookups;
+a refused call is sent again) while this process (root, another account) times 64-hash lookups. Prints the victim's
+p50/p99 alone and under attack, per configuration. Needs root.
 """
 
 from __future__ import annotations

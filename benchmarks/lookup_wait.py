@@ -1,4 +1,4 @@
-"""How long vLLM's scheduler is held per request by a lookup: waiting for a Lookup (the connector before issue 23)
+"""How long vLLM's scheduler is held per request by a lookup: waiting for a Lookup (the connector before 2026-12-02)
 against starting one (`SidecarClient.lookup_async`, what the scheduler side does now; it then waits at most 1 ms a
 step for answers, 10 ms after an idle step).
 
