@@ -12,10 +12,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from serving import Preset, Progress, Prompts
+from serving_setup import Preset, Progress, Prompts
 
 __all__ = ["Served", "chat_passes", "kv_transfer"]
 

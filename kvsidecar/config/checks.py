@@ -1,10 +1,12 @@
-"""What a Config may not be: each check raises a ConfigError that names the flags and what to give instead."""
+"""Config: every setting (fields.py), checked across settings whenever one is made; each check raises a ConfigError
+that names the flags and what to give instead."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from kvsidecar.config.fields import ConfigFields
 from kvsidecar.daemon.sockets import MAX_UNIX_PATH_BYTES
 from kvsidecar.errors import ConfigError
 from kvsidecar.events.endpoints import EndpointError, check_endpoint
@@ -14,15 +16,20 @@ from kvsidecar.movers.runtime import MODES as GPU_MODES
 from kvsidecar.parsing import MiB, parse_address
 from kvsidecar_contract.paths import data_socket_path
 
-if TYPE_CHECKING:
-    from kvsidecar.config.fields import Config
-
-__all__ = ["LOG_LEVELS", "check"]
+__all__ = ["LOG_LEVELS", "Config"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def check(c: Config) -> None:
+@dataclass(frozen=True)
+class Config(ConfigFields):
+    """Everything `kvsidecar serve` can be told (ConfigFields), checked when it is made: a Config is a valid one."""
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def check(c: ConfigFields) -> None:
     """Raise ConfigError, naming the flags, where settings cannot go together or a value is out of range."""
     if c.protocol not in ("tcp", "rdma"):
         raise ConfigError(f"protocol must be tcp or rdma, got {c.protocol!r}")
@@ -95,7 +102,7 @@ def check(c: Config) -> None:
         raise ConfigError("TLS and token options only apply to the TCP listener: add --listen HOST:PORT")
 
 
-def _check_socket(c: Config) -> None:
+def _check_socket(c: ConfigFields) -> None:
     if not os.path.isabs(c.socket):
         raise ConfigError(f"socket must be an absolute path, got {c.socket!r}")
     longest = len(os.fsencode(data_socket_path(c.socket)))
@@ -106,7 +113,7 @@ def _check_socket(c: Config) -> None:
         )
 
 
-def _check_kv_events(c: Config) -> None:
+def _check_kv_events(c: ConfigFields) -> None:
     if c.kv_events_replay_endpoint and not c.kv_events_endpoint:
         raise ConfigError("--kv-events-replay-endpoint replays --kv-events-endpoint's messages: set that too")
     try:
@@ -120,7 +127,7 @@ def _check_kv_events(c: Config) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _check_peer_networks(c: Config) -> None:
+def _check_peer_networks(c: ConfigFields) -> None:
     if not isinstance(c.peer_network, tuple):
         raise ConfigError(f"peer-network must be a tuple of networks, got {type(c.peer_network).__name__}")
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kvsidecar.config.fields import Config
+from kvsidecar.config.checks import Config
 from kvsidecar.daemon.settings import (
     EventSettings,
     MasterSettings,

@@ -1,13 +1,13 @@
-"""Config: everything `kvsidecar serve` can be told, each setting declared once with its help, parser and section.
+"""Every setting of `kvsidecar serve` as a field, declared once with its default, help, parser and section.
 
-The defaults come from the parts they configure; the checks across settings run when a Config is made (checks.py).
+The defaults come from the parts they configure. These are the fields alone; Config (checks.py) is these fields
+checked across settings whenever one is made.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsidecar.config.checks import check
 from kvsidecar.config.groups import DISK_TIER, EVENTS, GPU, LIMITS, LOGGING, SOCKETS, STORE, TENANCY, setting
 from kvsidecar.daemon.settings import (
     DEFAULT_LOCAL_BUFFER_BYTES,
@@ -33,11 +33,11 @@ from kvsidecar.tiers.node import DEFAULT_BUFFER_BYTES as DEFAULT_SSD_BUFFER_BYTE
 from kvsidecar.tiers.node import DEFAULT_SIZE_BYTES as DEFAULT_SSD_BYTES
 from kvsidecar_contract.paths import default_socket_path
 
-__all__ = ["Config"]
+__all__ = ["ConfigFields"]
 
 
 @dataclass(frozen=True)
-class Config:
+class ConfigFields:
     """Everything `kvsidecar serve` can be told: each field is one flag (`--name-with-dashes`) and one config key."""
 
     socket: str = setting(
@@ -337,6 +337,3 @@ class Config:
         parse=int,
         group=LIMITS,
     )
-
-    def __post_init__(self) -> None:
-        check(self)

@@ -14,7 +14,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from kvsidecar.config.fields import Config
+from kvsidecar.config.checks import Config
 from kvsidecar.config.groups import DISK_TIER, FLAG_GROUPS
 from kvsidecar.errors import ConfigError
 from kvsidecar.parsing import parse_bool, parse_text
