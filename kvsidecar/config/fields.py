@@ -17,7 +17,7 @@ from kvsidecar.daemon.settings import (
 )
 from kvsidecar.daemon.sockets import DEFAULT_SOCKET_MODE
 from kvsidecar.metrics import DEFAULT_METRICS_ADDRESS
-from kvsidecar.movers.runtime import DEFAULT_BOUNCE_BYTES, DEFAULT_STAGING_BYTES
+from kvsidecar.movers.runtime import GpuSettings
 from kvsidecar.parsing import parse_mode, parse_size
 from kvsidecar.rpc.servers import DEFAULT_MAX_MESSAGE_BYTES
 from kvsidecar.sessions.registry import DEFAULT_SESSION_TTL_S
@@ -34,6 +34,8 @@ from kvsidecar.tiers.node import DEFAULT_SIZE_BYTES as DEFAULT_SSD_BYTES
 from kvsidecar_contract.paths import default_socket_path
 
 __all__ = ["ConfigFields"]
+
+_GPU = GpuSettings()  # the GPU path's own defaults
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class ConfigFields:
         group=GPU,
     )
     gpu_staging_size: int = setting(
-        DEFAULT_STAGING_BYTES,
+        _GPU.staging_bytes,
         help=(
             "GPU memory per device the daemon gathers and scatters a batch of blocks in, e.g. 256MiB (default "
             "256MiB); a larger request moves in rounds"
@@ -191,7 +193,7 @@ class ConfigFields:
         group=GPU,
     )
     gpu_bounce_size: int = setting(
-        DEFAULT_BOUNCE_BYTES,
+        _GPU.bounce_bytes,
         help=(
             "pinned host memory per device for values read from another node or the disk tier on their way to a GPU, "
             "e.g. 64MiB (default 64MiB)"

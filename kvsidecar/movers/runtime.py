@@ -34,22 +34,11 @@ from kvsidecar.store.base import Replica
 from kvsidecar.store.build import CUDA_INSTALL, MooncakeBuild, installed_build
 from kvsidecar.values import CudaHandle
 
-__all__ = [
-    "CUDA_START_TIMEOUT_S",
-    "DEFAULT_BOUNCE_BYTES",
-    "DEFAULT_STAGING_BYTES",
-    "MODES",
-    "GpuRuntime",
-    "GpuSettings",
-    "HostSegment",
-    "gpu_present",
-]
+__all__ = ["CUDA_START_TIMEOUT_S", "GpuRuntime", "GpuSettings", "HostSegment", "gpu_present"]
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-DEFAULT_STAGING_BYTES = 256 * MiB  # per GPU: a 4k-token 8B prefix (512 MiB) loads in two rounds
-DEFAULT_BOUNCE_BYTES = 64 * MiB
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context of the process
 _PAGE = 4096
 CUDA_START_TIMEOUT_S = 120.0  # a registration waits this long for the contexts started at the daemon's start
@@ -70,8 +59,8 @@ class GpuSettings:
     through the device path; for tests of that path on machines without one)."""
 
     mode: str = "auto"
-    staging_bytes: int = DEFAULT_STAGING_BYTES
-    bounce_bytes: int = DEFAULT_BOUNCE_BYTES
+    staging_bytes: int = 256 * MiB
+    bounce_bytes: int = 64 * MiB
     pin_segment: bool = True
 
 
