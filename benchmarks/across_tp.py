@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
+from kvsidecar_testing.processes import DaemonProcess
 
 GIB = 1 << 30
 BLOCK = 16
@@ -137,7 +137,7 @@ def main() -> None:
     distinct = 2 * args.layers * args.blocks * args.heads * BLOCK * HEAD_SIZE * 2
     segment = f"{max(256, 3 * distinct // (1 << 20) + 64)}MiB"
     with tempfile.TemporaryDirectory() as work:
-        daemon = Daemon(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
+        daemon = DaemonProcess(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
         try:
             rows = []
             w, shares = (

@@ -7,7 +7,7 @@ One real daemon with its embedded Mooncake master, as `benchmarks/across_tp.py` 
 uses). A Granite-4-like hybrid: Mamba2 layers of `heads` heads of 64 x state 128, `n-groups` B/C groups, conv
 kernel 4 (its state (window, channels), vLLM's default "SD", or with --conv-ds "DS"), conv and temporal state 2
 bytes (bf16, vLLM's default state dtype for such a model), one page per layer and block as vLLM 0.33 holds it
-(conv state then temporal state, `kvsidecar.testing.states.Mamba2` has the oracle); and attention layers of 8 KV
+(conv state then temporal state, `kvsidecar_testing.states.Mamba2` has the oracle); and attention layers of 8 KV
 heads of 128 fp16, 16-token blocks, head-major. A writer engine of TP `writer-tp` (each rank a client session, all
 ranks at once) saves the prompt three times: per layout (`share_across_tp` off, the state one opaque value per
 rank and block), per head (`true`: the state in one piece per head and per B/C group, the repeated group written
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from across_tp import BLOCK, HEAD_SIZE, report_loads, save_all
 
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.states import Mamba2
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
 from kvsidecar_contract.placement import share_tp_size_of
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.states import Mamba2
 
 KV_HEADS = 8
 MIB = 1 << 20
@@ -122,7 +122,7 @@ def main() -> None:
     segment = f"{4 * distinct // MIB + 256}MiB"  # three writers, whole values of up to 36 MiB
     w = args.writer_tp
     with tempfile.TemporaryDirectory() as work:
-        daemon = Daemon(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
+        daemon = DaemonProcess(Path(work), segment_size=segment, local_buffer_size=None, log_level="warning").start()
         try:
             rows = []
             cut = f"cut at TP={w}"

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.daemon.master import EmbeddedMaster
-from kvsidecar.testing.mooncake_env import MooncakeEnv
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.mooncake_direct import InProcessPath
 from kvsidecar_bench.paths import DaemonPath, Timing
 from kvsidecar_bench.shapes import SHAPES, EngineMemory, Request
 from kvsidecar_bench.stats import GIB
+from kvsidecar_testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.processes import DaemonProcess
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -137,7 +137,7 @@ def main() -> None:
             if tree:
                 env["PYTHONPATH"] = os.pathsep.join(str(Path(tree) / p) for p in ("", "contract", "client"))
             (work / name).mkdir()
-            daemon = Daemon(
+            daemon = DaemonProcess(
                 work / name, master=master.address, session_ttl=None, segment_size=args.segment_size,
                 local_buffer_size=None, log_level="warning", mooncake=mooncake, env=env,
             )  # fmt: skip

@@ -27,7 +27,7 @@ from kvsidecar.store.base import check_batch_shapes
 from kvsidecar.values import LoadArgs, LookupArgs, Role, SaveArgs
 from kvsidecar_bench.lookup import _layout
 from kvsidecar_bench.shapes import GQA, MLA, EngineMemory, Request, hashes_for
-from kvsidecar_client.memory import describe_regions
+from kvsidecar_client.descriptions import describe_regions
 
 
 class StubStore:

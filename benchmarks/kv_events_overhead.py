@@ -31,7 +31,7 @@ from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.values import Role, SaveArgs
 from kvsidecar_bench.shapes import BLOCK_TOKENS, GQA, Request
 from kvsidecar_client import shared_tensor
-from kvsidecar_client.memory import describe_regions
+from kvsidecar_client.descriptions import describe_regions
 
 
 class Reader:

@@ -3,9 +3,9 @@
     flock /tmp/kvsidecar-heavy.lock .venv/bin/python benchmarks/lookup_fairness.py --seconds 20
 
 Runs a real daemon (embedded master) per configuration (daemon flags, `;` between configurations); an attacker
-process dropped to uid `nobody` runs two threads of 2^20-hash lookups in a loop (issue 22's attack; a refused call
-is sent again) while this process (root, another account) times 64-hash lookups. Prints the victim's p50/p99 alone
-and under attack, per configuration. Needs root.
+process dropped to uid `nobody` runs two threads of 2^20-hash lookups in a loop (one account flooding the lookups;
+a refused call is sent again) while this process (root, another account) times 64-hash lookups. Prints the victim's
+p50/p99 alone and under attack, per configuration. Needs root.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def summary(ms: list[float]) -> str:
 
 
 def main() -> None:
-    from kvsidecar.testing.processes import Daemon
+    from kvsidecar_testing.processes import DaemonProcess
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=20)
@@ -98,7 +98,7 @@ def main() -> None:
     for flags in args.configs.split(";"):
         work = Path(tempfile.mkdtemp(prefix="kvs-fair-", dir="/tmp"))
         work.chmod(0o777)
-        d = Daemon(work, extra=("--socket-mode", "0666", *flags.split()), log_level="info")
+        d = DaemonProcess(work, extra=("--socket-mode", "0666", *flags.split()), log_level="info")
         d.start()
         try:
             alone = victim(d.target, args.seconds / 2)

@@ -1,4 +1,4 @@
-"""How long vLLM's scheduler is held per request by a lookup: waiting for a Lookup (the connector before issue 23)
+"""How long vLLM's scheduler is held per request by a lookup: waiting for a Lookup (the connector before 2026-12-02)
 against starting one (`SidecarClient.lookup_async`, what the scheduler side does now; it then waits at most 1 ms a
 step for answers, 10 ms after an idle step).
 
@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.lookup import _client, _populate
 from kvsidecar_bench.shapes import BLOCK_TOKENS, hashes_for
+from kvsidecar_testing.processes import DaemonProcess
 
 LENGTHS = (1024, 16384, 65536)
 ROUNDS = 10
@@ -40,8 +40,8 @@ def arrivals() -> int:
     for workers, per_account in CONFIGS:
         work = Path(tempfile.mkdtemp(prefix="kvsidecar-lookup-arrivals-"))
         flags = ("--lookup-workers", str(workers), "--lookups-per-account", str(per_account))
-        daemon = Daemon(work, session_ttl=None, segment_size="512MiB", local_buffer_size=None, log_level="warning",
-                        extra=flags)  # fmt: skip
+        daemon = DaemonProcess(work, session_ttl=None, segment_size="512MiB", local_buffer_size=None,
+                               log_level="warning", extra=flags)  # fmt: skip
         daemon.start()
         try:
             prompts = [hashes_for(f"arrivals/{i}", ARRIVAL_TOKENS // BLOCK_TOKENS) for i in range(ARRIVALS)]
@@ -76,7 +76,7 @@ def main() -> int:
     if "--arrivals" in sys.argv[1:]:
         return arrivals()
     work = Path(tempfile.mkdtemp(prefix="kvsidecar-lookup-wait-"))
-    daemon = Daemon(work, session_ttl=None, segment_size="256MiB", local_buffer_size=None, log_level="warning")
+    daemon = DaemonProcess(work, session_ttl=None, segment_size="256MiB", local_buffer_size=None, log_level="warning")
     daemon.start()
     try:
         for tokens in LENGTHS:

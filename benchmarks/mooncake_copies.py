@@ -21,7 +21,7 @@ import time
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store import StoreCode
 from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
-from kvsidecar.testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.mooncake_env import MooncakeEnv
 
 KiB, MiB, GIB = 1 << 10, 1 << 20, float(1 << 30)
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)

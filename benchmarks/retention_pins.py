@@ -19,7 +19,7 @@ from functools import partial
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store import Pin, StoreCode
 from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
-from kvsidecar.testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.mooncake_env import MooncakeEnv
 
 
 def main() -> None:

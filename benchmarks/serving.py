@@ -24,139 +24,25 @@ whose model builder and daemon starter this uses.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import gc
 import json
-import math
 import os
 import platform
-import random
-import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from serving_chat import Served, chat_passes, kv_transfer
+from serving_report import write
+from serving_setup import PRESETS, Preset, Progress, Prompts, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 SETTLE = 3.0  # seconds a fresh engine is left alone before its first measured request
 TESTS = (REPO / "tests" / "vllm_real", REPO / "tests" / "vllm_connector")
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A model and the workload sized for one kind of machine."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    dtype: str
-    lengths: tuple[int, ...]  # prompt lengths of the TTFT passes
-    prompts_per_length: int
-    miss_batch: int  # prompts per miss-overhead batch
-    miss_length: int
-    miss_rounds: int
-    max_tokens: int  # greedy tokens per request (compared cold against warm)
-    chat: tuple[int, int, int, int]  # the OpenAI-server workload: system prompt, user message, clients, requests each
-    segment: str = "2GiB"  # the daemon's store: every prompt of the run stays in it (no eviction)
-    llm: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def max_model_len(self) -> int:
-        return max(*self.lengths, self.miss_length) + self.max_tokens
-
-
-PRESETS = {
-    # 2 CPU cores: a 4k-token prefill takes a few seconds; the whole run a few minutes.
-    "cpu": Preset(
-        hidden=1024,
-        layers=8,
-        heads=16,
-        kv_heads=8,
-        intermediate=2048,
-        dtype="float32",
-        lengths=(1000, 2000, 4000),
-        prompts_per_length=2,
-        miss_batch=4,
-        miss_length=1000,
-        miss_rounds=5,
-        max_tokens=16,
-        chat=(2000, 200, 4, 3),
-    ),
-    # A check that the bench runs end to end (seconds per engine), not a measurement.
-    "smoke": Preset(
-        hidden=128,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        intermediate=256,
-        dtype="float32",
-        lengths=(200, 400),
-        prompts_per_length=1,
-        miss_batch=2,
-        miss_length=200,
-        miss_rounds=1,
-        max_tokens=8,
-        chat=(200, 40, 2, 1),
-        segment="256MiB",
-    ),
-    # One GPU: a bigger model and longer prompts, each engine in a quarter of the GPU's memory.
-    "gpu": Preset(
-        hidden=2048,
-        layers=16,
-        heads=16,
-        kv_heads=8,
-        intermediate=5632,
-        dtype="bfloat16",
-        lengths=(2000, 8000, 16000, 32000),
-        prompts_per_length=3,
-        miss_batch=16,
-        miss_length=2000,
-        miss_rounds=5,
-        max_tokens=16,
-        chat=(8000, 400, 16, 4),
-        segment="32GiB",
-        llm={"gpu_memory_utilization": 0.25},
-    ),
-}
-
-
-def tiny_model(preset: Preset, name: str) -> Any:
-    """The preset's Llama-like config as a tests/vllm_real TinyModel (random weights, seeded)."""
-    from models import TinyModel
-
-    config = {
-        "hidden_size": preset.hidden,
-        "intermediate_size": preset.intermediate,
-        "num_attention_heads": preset.heads,
-        "num_key_value_heads": preset.kv_heads,
-        "num_hidden_layers": preset.layers,
-    }
-    return TinyModel(
-        name=name,
-        config_class="LlamaConfig",
-        config=config,
-        dtype=preset.dtype,
-        prompt_tokens=preset.lengths,
-        max_position_embeddings=max(4096, preset.max_model_len),
-    )
-
-
-class Prompts:
-    """Seeded random token-id prompts that share no first block with each other (so nothing hits by accident)."""
-
-    def __init__(self, vocab: int, seed: str) -> None:
-        self._rng = random.Random(seed)
-        self._vocab = vocab
-
-    def fresh(self, length: int) -> list[int]:
-        return [self._rng.randrange(1, self._vocab - 24) for _ in range(length)]
 
 
 def set_environment(device: str, cache: Path) -> None:
@@ -171,17 +57,6 @@ def set_environment(device: str, cache: Path) -> None:
         # 2 cores the latter falls back to both, so an engine with the connector got 2 OpenMP threads and one
         # without got 1 (1.6-1.7x apart, 2026-12-02). Every engine and server here gets the same cores.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
-
-
-def kv_transfer(socket: str, prefix: str) -> dict[str, Any]:
-    """The README's --kv-transfer-config, pointed at the bench's daemon and namespace."""
-    return {
-        "kv_connector": "KVSidecarConnector",
-        "kv_connector_module_path": "kvsidecar_client.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket": socket, "cache_prefix": prefix},
-    }
 
 
 def start_engine(model_dir: Path, preset: Preset, *, socket: str | None, prefix: str) -> Any:
@@ -214,15 +89,6 @@ def params(max_tokens: int) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-
-
-@dataclass
-class Served:
-    """One request served alone: time to its first token, to its last, and its greedy tokens."""
-
-    ttft: float
-    total: float
-    tokens: list[int]
 
 
 def serve_one(llm: Any, prompt: Sequence[int], max_tokens: int) -> Served:
@@ -259,68 +125,6 @@ def batch_throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> flo
     return (sum(len(p) for p in prompts) + generated) / elapsed
 
 
-# ---- the OpenAI server with concurrent clients ----
-
-
-def start_server(model_dir: Path, preset: Preset, log: Path, *, socket: str | None, prefix: str) -> Any:
-    """vLLM's OpenAI server over the model (tests/vllm_real/openai_server.py), with the connector when `socket` is
-    given, sized as the preset's engines."""
-    from openai_server import OpenAIServer
-
-    flags = [
-        "--skip-tokenizer-init", "--enforce-eager", "--dtype", preset.dtype, "--seed", "0", "--disable-log-stats",
-        "--max-model-len", str(preset.max_model_len), "--max-num-batched-tokens", str(max(4096, preset.miss_length)),
-        "--enable-prefix-caching",
-    ]  # fmt: skip
-    if socket is not None:
-        flags += ["--kv-transfer-config", json.dumps(kv_transfer(socket, prefix))]
-    if "gpu_memory_utilization" in preset.llm:
-        flags += ["--gpu-memory-utilization", str(preset.llm["gpu_memory_utilization"])]
-    return OpenAIServer(model_dir, flags, log, start_timeout=600)
-
-
-def stream_one(server: Any, prompt: Sequence[int], max_tokens: int) -> Served:
-    """One streamed greedy completion through the server: time to its first token and to its last."""
-    started = time.perf_counter()
-    first: float | None = None
-    tokens: list[int] = []
-    for ids in server.stream(prompt, max_tokens):
-        if ids and first is None:
-            first = time.perf_counter() - started
-        tokens.extend(ids)
-    total = time.perf_counter() - started
-    if first is None or len(tokens) != max_tokens:
-        raise RuntimeError(f"a streamed completion ended with {len(tokens)} of {max_tokens} tokens")
-    return Served(first, total, tokens)
-
-
-def chat_pass(server: Any, system: Sequence[int], users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
-    """Every client (one list of user messages each) sends system + message, one after the other, all clients at
-    once: each request's TTFT, and tokens per second over the pass."""
-    barrier = threading.Barrier(len(users))
-    served: list[list[Served]] = [[] for _ in users]
-
-    def client(i: int) -> None:
-        barrier.wait()
-        for message in users[i]:
-            served[i].append(stream_one(server, [*system, *message], max_tokens))
-
-    started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(users)) as pool:
-        for future in [pool.submit(client, i) for i in range(len(users))]:
-            future.result()
-    wall = time.perf_counter() - started
-    generated = sum(len(s.tokens) for per in served for s in per)
-    prompt_tokens = sum(len(system) + len(m) for per in users for m in per)
-    return {
-        "ttft": [s.ttft for per in served for s in per],
-        "wall": wall,
-        "generated": generated,
-        "prompt_tokens": prompt_tokens,
-        "tokens": [s.tokens for per in served for s in per],
-    }
-
-
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -345,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     set_environment(args.device, work / "cache")
     import vllm
     from models import VOCAB
-    from sidecar_daemon import Daemon
+    from sidecar_daemon import SidecarDaemon
 
     model = tiny_model(preset, f"llama-serving-{args.preset}")
     step = Progress()
@@ -365,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     (work / "daemon").mkdir(exist_ok=True)
     step("starting the daemon")
-    daemon = Daemon(work / "daemon", segment_size=preset.segment).start()
+    daemon = SidecarDaemon(work / "daemon", segment_size=preset.segment).start()
     try:
         counters_start = daemon.counters()
         step("engines A (connector) and C (no connector)")
@@ -428,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop_engine(b)
         del b
         if not args.skip_server:
-            result["chat"] = chat_passes(model_dir, preset, work, daemon, prompts, step)
+            result["chat"] = chat_passes(model_dir, preset, work, daemon, prompts, step, SETTLE)
     finally:
         daemon.stop()
     result["ttft"] = {str(n): row for n, row in rows.items()}
@@ -449,217 +253,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["machine_after"] = machine()
     result["seconds"] = round(step.elapsed(), 1)
     return result
-
-
-def chat_passes(
-    model_dir: Path, preset: Preset, work: Path, daemon: Any, prompts: Prompts, step: Progress
-) -> dict[str, Any]:
-    """The shared-system-prompt workload on three fresh servers, vLLM's prefix cache on in each: with the connector
-    (the system prompt not yet stored), without it, and with it again after a restart (the store holds it)."""
-    system_tokens, user_tokens, clients, each = preset.chat
-    system = prompts.fresh(system_tokens)
-    prefix = f"chat{uuid.uuid4().hex[:8]}"
-    passes: dict[str, Any] = {}
-    for label, connector in (("connector", True), ("plain", False), ("connector_restarted", True)):
-        step(f"OpenAI server ({label}): {clients} clients x {each} requests, {system_tokens}+{user_tokens} tokens")
-        users = [[prompts.fresh(user_tokens) for _ in range(each)] for _ in range(clients)]
-        socket = daemon.target if connector else None
-        server = start_server(model_dir, preset, work / f"server-{label}.log", socket=socket, prefix=prefix)
-        try:
-            stream_one(server, prompts.fresh(256), 4)  # first-request costs out of the measurements
-            time.sleep(SETTLE)
-            before = daemon.counters()
-            passes[label] = chat_pass(server, system, users, preset.max_tokens)
-            after = daemon.counters()
-        finally:
-            server.stop()
-        del passes[label]["tokens"]
-        for name in ("kvsidecar_lookup_hit_tokens_total", "kvsidecar_loaded_bytes_total"):
-            passes[label][name] = after.get(name, 0.0) - before.get(name, 0.0)
-    passes["setup"] = {"system": system_tokens, "user": user_tokens, "clients": clients, "requests_each": each}
-    return passes
-
-
-class Progress:
-    """Timestamped progress lines on stderr."""
-
-    def __init__(self) -> None:
-        self._start = time.monotonic()
-
-    def __call__(self, what: str) -> None:
-        print(f"[{self.elapsed():6.1f}s] {what}", file=sys.stderr, flush=True)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self._start
-
-
-# ---- rendering ----
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
-def render(result: dict[str, Any]) -> str:
-    """serving.md's tables: ratios first, then the seconds they come from."""
-    lines = []
-    model = result["model"]
-    lines.append(
-        f"Model: random-weight Llama, {model['hidden_size']} hidden, {model['num_hidden_layers']} layers, "
-        f"{model['num_attention_heads']} heads / {model['num_key_value_heads']} KV heads, {model['dtype']}; "
-        f"vLLM {result['vllm']} on {result['device']}; greedy, {result['max_tokens']} tokens per request, "
-        "one request at a time for TTFT. Medians of the prompts of each length."
-    )
-    lines.append("")
-    lines.append(
-        "| prompt tokens | warm / cold | warm / vLLM prefix cache | warm / B's own prefix cache | cold (A) s "
-        "| vLLM alone cold (C) s | warm from store (B) s | vLLM prefix cache (C) s | prefix cache, connector on (B) s |"
-    )
-    lines.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for n, row in result["ttft"].items():
-        cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
-        own = median(row["warm_prefix_cache"])
-        lines.append(
-            f"| {n} | {warm / cold:.3f}x | {warm / limit:.2f}x | {warm / own:.2f}x | {cold:.3f} "
-            f"| {median(row['plain_cold']):.3f} | {warm:.3f} | {limit:.3f} | {own:.3f} |"
-        )
-    lines.append("")
-    miss = result["miss"]
-    with_c, without = median(miss["connector"]), median(miss["plain"])
-    lines.append(
-        f"Miss overhead (fresh prompts, never a hit; the connector saves them): {with_c:.0f} tokens/s with the "
-        f"connector, {without:.0f} without: **{with_c / without:.3f}x** (rounds: "
-        + ", ".join(f"{x:.0f}" for x in miss["connector"])
-        + " against "
-        + ", ".join(f"{x:.0f}" for x in miss["plain"])
-        + ")."
-    )
-    equal = result["greedy_equal"]
-    lines.append(f"Greedy tokens warm equal to cold: {equal['equal']} of {equal['of']} prompts.")
-    if "chat" in result:
-        lines.append("")
-        lines.extend(render_chat(result["chat"]))
-        lines.append("")
-    daemon = result["daemon"]
-    lines.append(
-        f"Daemon: {daemon['kvsidecar_saved_bytes_total'] / 2**20:.0f} MiB saved, "
-        f"{daemon['kvsidecar_loaded_bytes_total'] / 2**20:.0f} MiB loaded, "
-        f"{daemon['warm_hit_tokens']:.0f} tokens hit in the warm pass."
-    )
-    before, after = result["machine_before"], result["machine_after"]
-    lines.append(
-        f"Machine: {before['cpu']}, {before['cores']} cores; load average {before['load_average'][0]:.1f} before, "
-        f"{after['load_average'][0]:.1f} after; {result['seconds']} s in all."
-    )
-    return "\n".join(lines) + "\n"
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile, nearest rank (of a few dozen requests: the p99 is about the slowest)."""
-    ordered = sorted(values)
-    rank = math.ceil(len(ordered) * q / 100)
-    return ordered[min(len(ordered) - 1, max(0, rank - 1))]
-
-
-def chat_figures(run: dict[str, Any]) -> tuple[float, float, float]:
-    """(TTFT p50, TTFT p99, generated tokens per second) of one server pass."""
-    return median(run["ttft"]), percentile(run["ttft"], 99), run["generated"] / run["wall"]
-
-
-CHAT_PASSES = {
-    "plain": "vLLM alone (prefix cache)",
-    "connector": "connector, system prompt not yet stored",
-    "connector_restarted": "connector, restarted server (store holds it)",
-}
-
-
-def render_chat(chat: dict[str, Any]) -> list[str]:
-    setup = chat["setup"]
-    lines = [
-        f"OpenAI server (`/v1/completions`, streamed, token-id prompts: the random model has no tokenizer, so no chat "
-        f"template): a {setup['system']}-token system prompt shared by every request, then a fresh "
-        f"{setup['user']}-token user message; {setup['clients']} clients at once, {setup['requests_each']} requests "
-        "each, back to back; a fresh server per pass, vLLM's prefix cache on in each.",
-        "",
-        "| server | TTFT p50 s | TTFT p99 s | tokens/s (generated) | p50 / vLLM alone | tokens/s / vLLM alone |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    base = chat_figures(chat["plain"])
-    for key, label in CHAT_PASSES.items():
-        p50, p99, rate = chat_figures(chat[key])
-        lines.append(f"| {label} | {p50:.3f} | {p99:.3f} | {rate:.1f} | {p50 / base[0]:.2f}x | {rate / base[2]:.2f}x |")
-    if "kvsidecar_loaded_bytes_total" in chat["connector_restarted"]:
-        loaded = [chat[k]["kvsidecar_loaded_bytes_total"] / 2**20 for k in ("connector", "connector_restarted")]
-        lines.append("")
-        lines.append(
-            f"Loaded from the store: {loaded[0]:.0f} MiB by the first connector server, {loaded[1]:.0f} MiB by the "
-            "restarted one."
-        )
-    return lines
-
-
-def result_lines(result: dict[str, Any]) -> list[str]:
-    """The headline ratios as RESULT lines (scripts/gpu-check.sh prints them in its summary)."""
-    lines = []
-    for n, row in result["ttft"].items():
-        cold, warm, limit = median(row["cold"]), median(row["warm"]), median(row["prefix_cache"])
-        lines.append(
-            f"RESULT serving {n} tokens: TTFT warm/cold {warm / cold:.3f}x, warm/prefix-cache {warm / limit:.2f}x "
-            f"(B's own: {warm / median(row['warm_prefix_cache']):.2f}x; {warm:.3f} s, {cold:.3f} s, {limit:.3f} s)"
-        )
-    miss = result["miss"]
-    lines.append(f"RESULT serving miss overhead: {median(miss['connector']) / median(miss['plain']):.3f}x throughput")
-    equal = result["greedy_equal"]
-    lines.append(f"RESULT serving greedy warm == cold: {equal['equal']}/{equal['of']}")
-    if "chat" in result:
-        base = chat_figures(result["chat"]["plain"])
-        for key in ("connector", "connector_restarted"):
-            p50, p99, rate = chat_figures(result["chat"][key])
-            lines.append(
-                f"RESULT serving OpenAI server {key}: TTFT p50 {p50 / base[0]:.2f}x, tokens/s {rate / base[2]:.2f}x "
-                f"of vLLM alone (p50 {p50:.3f} s, p99 {p99:.3f} s, {rate:.1f} tokens/s)"
-            )
-    return lines
-
-
-def plot(result: dict[str, Any], path: Path) -> str | None:
-    """TTFT by prompt length as a PNG; None when written, else why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed"
-    lengths = [int(n) for n in result["ttft"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (
-        ("cold", "cold prefill (A)"),
-        ("warm", "warm from the store (fresh B)"),
-        ("prefix_cache", "vLLM's own prefix cache (C)"),
-    ):
-        ax.plot(lengths, [median(result["ttft"][str(n)][key]) for n in lengths], marker="o", label=label)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_yscale("log")
-    ax.set_title(f"TTFT, vLLM {result['vllm']} on {result['device']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
-def write(result: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "serving.md").write_text(render(result))
-    why = plot(result, out / "serving.png")
-    print(render(result))
-    for line in result_lines(result):
-        print(line)
-    print(f"written to {out}" + (f" (no plot: {why})" if why else ""), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving
+import serving_setup
 
 EVENTS: list[tuple[float, str, str]] = []
 
@@ -99,20 +100,20 @@ def timeline(llm: Any, prompt: list[int], label: str, max_tokens: int) -> None:
 
 def main() -> int:
     lengths = [int(a) for a in sys.argv[1:]] or [1000, 4000]
-    preset = serving.PRESETS["cpu"]
+    preset = serving_setup.PRESETS["cpu"]
     work = Path(os.environ.get("TIMELINE_WORK", "/tmp/kvsidecar-serving-timeline"))
     work.mkdir(parents=True, exist_ok=True)
     serving.set_environment("cpu", work / "cache")
     from models import VOCAB
-    from sidecar_daemon import Daemon
+    from sidecar_daemon import SidecarDaemon
 
     instrument()
-    model_dir = serving.tiny_model(preset, "llama-serving-cpu").build(work / "models")
-    prompts = serving.Prompts(VOCAB, f"timeline-{uuid.uuid4().hex}")
+    model_dir = serving_setup.tiny_model(preset, "llama-serving-cpu").build(work / "models")
+    prompts = serving_setup.Prompts(VOCAB, f"timeline-{uuid.uuid4().hex}")
     chosen = {n: prompts.fresh(n) for n in lengths}
     prefix = f"timeline{uuid.uuid4().hex[:8]}"
     (work / "daemon").mkdir(exist_ok=True)
-    daemon = Daemon(work / "daemon", segment_size=preset.segment).start()
+    daemon = SidecarDaemon(work / "daemon", segment_size=preset.segment).start()
     try:
         a = serving.start_engine(model_dir, preset, socket=daemon.target, prefix=prefix)
         serving.serve_one(a, prompts.fresh(256), 4)

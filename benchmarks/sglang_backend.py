@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "sglang"), str(REPO / "tests" / "vllm_connector"), str(REPO)]
+sys.path[:0] = [str(REPO / sub) for sub in ("tests/sglang", "tests/vllm_connector", ".", "testing")]
 
-from sidecar_daemon import Daemon  # noqa: E402
+from sidecar_daemon import SidecarDaemon  # noqa: E402
 
-from kvsidecar.testing.mooncake_env import MooncakeEnv  # noqa: E402
-from kvsidecar.testing.processes import LOOPBACK, free_port, stop_pid  # noqa: E402
+from kvsidecar_testing.mooncake_env import MooncakeEnv  # noqa: E402
+from kvsidecar_testing.processes import LOOPBACK, free_port, stop_pid  # noqa: E402
 
 GIB = 2**30
 SHAPES = {
@@ -75,7 +75,7 @@ def measure(shape: str, rounds: int, batch: int, workdir: Path) -> dict[str, Any
     pool = host_pool(kind, "page_first", **geometry)
     fill(pool, 11)
     model = str(model_dir(workdir))
-    daemon = Daemon(workdir / "daemon", segment_size="2GiB")
+    daemon = SidecarDaemon(workdir / "daemon", segment_size="2GiB")
     (workdir / "daemon").mkdir(exist_ok=True)
     env = MooncakeEnv(workdir)
     master, address = _master(workdir, env)

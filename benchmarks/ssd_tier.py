@@ -22,10 +22,6 @@ import mmap
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -35,9 +31,10 @@ from pathlib import Path
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.config import parse_size
+from kvsidecar.parsing import parse_size
 from kvsidecar.tiers.records import indexed_keys
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, shared_tensor
+from kvsidecar_testing.processes import Daemon as DaemonProcess
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -49,45 +46,32 @@ BATCH = 16 * MiB  # the tier's write batch
 DEPTH = 4  # the tier's reads in flight
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class TierDaemon:
+    """A daemon process with a disk tier (or, ssd_size 0, none), and what this bench reads of it."""
 
-
-class Daemon:
     def __init__(self, work: Path, segment: int, ssd_size: int, queue: int) -> None:
-        """ssd_size 0: no disk tier."""
-        self.work, self.segment, self.ssd_size, self.queue = work, segment, ssd_size, queue
+        self.work = work
         work.mkdir(parents=True, exist_ok=True)
-        self.socket = str(work / "kvsidecar.sock")
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        extra = ["--ssd-dir", str(work / "ssd"), "--ssd-size", str(ssd_size), "--ssd-buffer-size", str(queue)]
+        # --allow-shm-names: its ranks are this bench's own processes, registering named segments.
+        self.process = DaemonProcess(
+            work, session_ttl=None, segment_size=str(segment), local_buffer_size=None, log_level="info",
+            extra=extra if ssd_size else (), allow_shm_names=True,
+        )  # fmt: skip
+        self.socket = self.process.socket
 
     def start(self) -> float:
+        """Start and wait until ready; the seconds it took."""
         began = time.monotonic()
-        # --allow-shm-names: its ranks are this bench's own processes, registering named segments.
-        args = [sys.executable, "-m", "kvsidecar", "serve", "--socket", self.socket,
-                "--metrics-address", f"127.0.0.1:{self.port}", "--segment-size", str(self.segment),
-                "--log-level", "info", "--allow-shm-names"]  # fmt: skip
-        if self.ssd_size:
-            args += ["--ssd-dir", str(self.work / "ssd"), "--ssd-size", str(self.ssd_size),
-                     "--ssd-buffer-size", str(self.queue)]  # fmt: skip
-        log = open(self.work / "daemon.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        while "ready:" not in (self.work / "daemon.log").read_text(errors="replace").split("kvsidecar stopping")[-1]:
-            if self.proc.poll() is not None:
-                raise SystemExit((self.work / "daemon.log").read_text())
-            time.sleep(0.05)
+        self.process.start(timeout=600)
         return time.monotonic() - began
 
     def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
+        """SIGTERM, and wait for the daemon to end."""
+        self.process.stop(120)
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(self.process.metrics_url, timeout=5) as r:
             text = r.read().decode()
         out = {}
         for fam in text_string_to_metric_families(text):
@@ -120,7 +104,7 @@ class Daemon:
             time.sleep(0.005)
 
     def recovery_line(self) -> str:
-        lines = [ln for ln in (self.work / "daemon.log").read_text().splitlines() if "recovered" in ln]
+        lines = [ln for ln in self.process.log_path.read_text().splitlines() if "recovered" in ln]
         return lines[-1].split(": ", 1)[-1] if lines else ""
 
 
@@ -132,7 +116,7 @@ def prompt_hashes(p: int) -> list[bytes]:
     return out
 
 
-def connect(daemon: Daemon) -> tuple[SidecarClient, torch.Tensor]:
+def connect(daemon: TierDaemon) -> tuple[SidecarClient, torch.Tensor]:
     client = SidecarClient.connect(
         f"unix://{daemon.socket}", model="bench/SSD", layout=EngineLayout(tp_size=1), num_kv_heads=1,
         hash_block_size=BLOCK_TOKENS, groups=[GroupSpec("mla", BLOCK_TOKENS)], client_name="ssd-bench",
@@ -309,7 +293,7 @@ def main() -> None:
         replayed, replay_s = index_replay(work / "replay", 8 * GiB, 16 << 10)
 
         # 0. The same saves into a daemon without a disk tier (Mooncake evicts to make room): the save path's own pace.
-        bare = Daemon(work / "bare", args.segment, 0, 0)
+        bare = TierDaemon(work / "bare", args.segment, 0, 0)
         bare.start()
         client, kv = connect(bare)
         control = save_all(client, kv, prompts)
@@ -317,7 +301,7 @@ def main() -> None:
         bare.stop()
 
         # 1. As fast as the rank can save: the sustained rate is the time until every value is durable on disk.
-        fast = Daemon(work / "fast", args.segment, ssd_size, args.queue)
+        fast = TierDaemon(work / "fast", args.segment, ssd_size, args.queue)
         fast.start()
         client, kv = connect(fast)
         saved = save_all(client, kv, prompts)
@@ -347,7 +331,7 @@ def main() -> None:
         recovered = fast.recovery_line()
 
         # 2. Offered at half the raw write rate: nothing may be lost.
-        paced = Daemon(work / "paced", args.segment, ssd_size, args.queue)
+        paced = TierDaemon(work / "paced", args.segment, ssd_size, args.queue)
         paced.start()
         client, kv = connect(paced)
         offered = raw["write_direct"] * GiB / 2

@@ -12,9 +12,9 @@
 - `DaemonError`: the daemon cannot start or must stop: `MasterError` (the embedded mooncake_master),
   `FenceError` (a Mooncake listener that cannot be fenced), `DiskDirBusy` (another daemon owns the disk tier),
   `NativeLibraryError` (Mooncake's native libraries).
-- `DemoError`: `kvsidecar demo` cannot run.
 
-Test machinery (kvsidecar/testing) has its own: ProcessError, RankError, WaitTimeout.
+The test machinery and the demo (kvsidecar-testing, testing/) have their own: ProcessError, RankError, WaitTimeout,
+DemoError.
 
 Imports: (nothing of the daemon's: a StoreError's code is named here for types only).
 """
@@ -30,7 +30,6 @@ __all__ = [
     "BadRequest",
     "ConfigError",
     "DaemonError",
-    "DemoError",
     "DeviceUnavailable",
     "DiskDirBusy",
     "FenceError",
@@ -128,7 +127,3 @@ class DiskDirBusy(DaemonError):
 
 class NativeLibraryError(DaemonError):
     """libibverbs, which Mooncake needs even for TCP, cannot be loaded."""
-
-
-class DemoError(RuntimeError):
-    """The demo cannot run (no daemon, a daemon that does not start, a call that fails)."""

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9469"  # where the daemon serves /metrics: loopback
 # Store calls are batch calls over loopback or RDMA: from ~0.1 ms (existence) to seconds (a big put under load).
 STORE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 

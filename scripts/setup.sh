@@ -17,15 +17,16 @@ say() { echo "setup: $*"; }
 
 # What the set-up installs from: a change to any of these installs again.
 stamp() {
-  sha256sum pyproject.toml contract/pyproject.toml client/pyproject.toml benchmarks/pyproject.toml scripts/setup.sh
+  sha256sum pyproject.toml contract/pyproject.toml client/pyproject.toml benchmarks/pyproject.toml \
+    testing/pyproject.toml scripts/setup.sh
   echo "flavour $FLAVOUR"
   echo "python $("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])')"
 }
 # The modules the set-up provides; find_spec imports none of them, so this costs a few milliseconds.
 missing_modules() {
   "$VENV/bin/python" -c 'import importlib.util as u
-print(" ".join(m for m in ("kvsidecar", "kvsidecar_client", "kvsidecar_contract", "kvsidecar_bench", "torch", "mooncake",
-                           "pytest") if u.find_spec(m) is None))'
+print(" ".join(m for m in ("kvsidecar", "kvsidecar_client", "kvsidecar_contract", "kvsidecar_bench", "kvsidecar_testing",
+                           "torch", "mooncake", "pytest") if u.find_spec(m) is None))'
 }
 # Why the environment needs installing ("" when it is up to date).
 outdated() {
@@ -93,9 +94,10 @@ if [ -n "$why" ]; then
     say "installing torch 2.13.0 (the CPU build where the index has it: a wheel of about 180 MB)"
     pip install "torch==2.13.0"
   fi
-  # The bench is a distribution of its own (benchmarks/): it measures the installed daemon from outside.
-  say "installing kvsidecar, its contract, client and bench (editable), Mooncake ($FLAVOUR) and the test tools"
-  pip install -e ./contract -e ./client -e ".[$FLAVOUR,test]" -e ./benchmarks
+  # The bench (benchmarks/) and the test machinery with the demo (testing/) are distributions of their own: they
+  # drive the installed daemon from outside, and its wheel carries neither.
+  say "installing kvsidecar, its contract, client, test machinery and bench (editable), Mooncake ($FLAVOUR) and the test tools"
+  pip install -e ./contract -e ./client -e ".[$FLAVOUR,test]" -e ./testing -e ./benchmarks
   stamp >"$VENV/.setup-stamp"
 else
   say "$VENV is up to date with this checkout (nothing to install)"

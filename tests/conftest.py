@@ -13,7 +13,7 @@ import pytest
 
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
-from kvsidecar.testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.mooncake_env import MooncakeEnv
 
 # --- Mooncake: one real master per session, stores connected to it -------------------------------------------------
 

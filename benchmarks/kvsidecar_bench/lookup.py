@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.mooncake_direct import DirectClient
 from kvsidecar_bench.progress import Progress
@@ -32,6 +31,7 @@ from kvsidecar_contract.placement import (
     lookup_plan,
     parse_groups,
 )
+from kvsidecar_testing.processes import DaemonProcess
 
 __all__ = ["CASES", "GROUPS", "LookupPoint", "measure_lookups"]
 
@@ -80,7 +80,7 @@ def _layout(rank: int) -> Layout:
     return Layout(MODEL, parse_groups(GROUPS, BLOCK_TOKENS), Parallel(tp_size=TP, tp_rank=rank), KV_HEADS, BLOCK_TOKENS)
 
 
-def _client(daemon: Daemon, rank: int, role: str) -> Any:
+def _client(daemon: DaemonProcess, rank: int, role: str) -> Any:
     from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
 
     return SidecarClient.connect(
@@ -95,7 +95,7 @@ def _client(daemon: Daemon, rank: int, role: str) -> Any:
     )
 
 
-def _populate(daemon: Daemon, hashes: list[bytes], tokens: int) -> None:
+def _populate(daemon: DaemonProcess, hashes: list[bytes], tokens: int) -> None:
     import torch
 
     from kvsidecar_client import shared_tensor
@@ -130,7 +130,7 @@ def _staged(geo: Geometry, hashes: list[bytes], tokens: int, raw: DirectClient) 
 
 
 def measure_lookups(
-    daemon: Daemon,
+    daemon: DaemonProcess,
     master: str,
     token_counts: Sequence[int],
     reps: int,

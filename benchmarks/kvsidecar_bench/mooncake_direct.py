@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.store.mooncake_store import prefix_regex
-from kvsidecar.testing.processes import StorageNode
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.paths import Clock, Timing, model_name
 from kvsidecar_bench.shapes import EngineMemory, ModelShape, Request
 from kvsidecar_contract.placement import Geometry, key_prefix
 from kvsidecar_contract.placement.keys import KEY_TAIL_PATTERN
+from kvsidecar_testing.processes import StorageNode
 
 __all__ = ["DirectClient", "InProcessPath", "RealClientPath", "native_output_to"]
 

@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, Request
+from kvsidecar_testing.processes import DaemonProcess
 
 __all__ = ["Clock", "DaemonPath", "DataPath", "GatherDmaPath", "MemcpyPath", "Timing", "model_name"]
 
@@ -80,7 +80,7 @@ class DaemonPath:
     """client -> data socket (saves and loads; gRPC for the rest) -> daemon -> Mooncake, the way an engine rank uses
     kvsidecar; with data_socket=False every call goes over gRPC ("daemon-grpc": what the data socket saves)."""
 
-    def __init__(self, daemon: Daemon, *, data_socket: bool = True) -> None:
+    def __init__(self, daemon: DaemonProcess, *, data_socket: bool = True) -> None:
         self.daemon = daemon
         self.name = "daemon" if data_socket else "daemon-grpc"
         self._data_socket = data_socket

@@ -1,4 +1,4 @@
-"""The report: results as one JSON document, with the headline ratios against the issue's targets."""
+"""The report: results as one JSON document, with the headline ratios against the data path's targets."""
 
 from __future__ import annotations
 
@@ -264,14 +264,14 @@ def _worst(shape: dict[str, Any], op: str, value: Any) -> tuple[str, float]:
     return (f"{n} blocks" if len(sizes) == 1 else f"worst of {sizes[0]}-{sizes[-1]} blocks: {n}"), v
 
 
-GOAL1_BLOCKS = (8, 128)  # issue 14 goal 1: "at every request size from 8 to 128 blocks"
+GOAL1_BLOCKS = (8, 128)  # goal 1 (2026-12-01): "at every request size from 8 to 128 blocks"
 
 
-GPU_TARGETS = ((8, 8, 0.4), (32, 1 << 30, 0.7))  # issue 33: >= 0.4x the limit at 8 blocks, >= 0.7x from 32 up
+GPU_TARGETS = ((8, 8, 0.4), (32, 1 << 30, 0.7))  # the GPU path: >= 0.4x the limit at 8 blocks, >= 0.7x from 32 up
 
 
 def _gpu_rows(shape: dict[str, Any], name: str, op: str, title: str) -> list[dict[str, Any]]:
-    """The GPU path against the GPU's limit on the same blocks, at the sizes issue 33 judges, worst first."""
+    """The GPU path against the GPU's limit on the same blocks, at the sizes GPU_TARGETS judges, worst first."""
     rows = []
     measured = sorted({p["blocks"] for p in shape["points"] if p["op"] == op})
     for low, high, target in GPU_TARGETS:
@@ -293,7 +293,7 @@ def path_titles(doc: dict[str, Any]) -> dict[str, str]:
 
 
 def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal of the issue, the peer it is measured against, its target and whether this run met it."""
+    """Each goal, the peer it is measured against, its target and whether this run met it."""
     titles = path_titles(doc)
     rows = []
     g1, g2, g3, g4 = "1 save/load speed", "2 one RPC per step", "3 staged lookups", "4 bench"

@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.mooncake_env import MooncakeEnv
-from kvsidecar.testing.processes import Daemon, ProcessError, StorageNode
 from kvsidecar_bench import lookup, scaling, step, throughput, volume
 from kvsidecar_bench.device import check_device
 from kvsidecar_bench.errors import BenchError
@@ -28,6 +26,8 @@ from kvsidecar_bench.render import render_markdown
 from kvsidecar_bench.report import Results, to_json
 from kvsidecar_bench.settings import Settings, command_line, from_args, out_dir
 from kvsidecar_bench.shapes import SHAPES, EngineMemory, scale_rank_shape
+from kvsidecar_testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.processes import DaemonProcess, ProcessError, StorageNode
 
 __all__ = ["main", "run"]
 
@@ -137,7 +137,7 @@ def measure(settings: Settings, progress: Progress, workdir: Path, mooncake: Moo
     with contextlib.ExitStack() as stack:
         progress.section("starting masters, the daemon and Mooncake clients")
         master = stack.enter_context(EmbeddedMaster(log_path=workdir / "master-daemon.log"))
-        daemon = Daemon(
+        daemon = DaemonProcess(
             workdir, master=master.address, session_ttl=None, segment_size=str(settings.segment_size),
             local_buffer_size=None, log_level="warning", mooncake=mooncake,
         )  # fmt: skip
@@ -266,7 +266,7 @@ def _real_client_path(
     return path
 
 
-def _wait_page_locked(daemon: Daemon, progress: Progress, timeout: float = 120.0) -> None:
+def _wait_page_locked(daemon: DaemonProcess, progress: Progress, timeout: float = 120.0) -> None:
     """Until the daemon has page-locked its segment (in the background, seconds per 10 GiB): the GPU path's speed."""
     progress.note("waiting for the daemon to page-lock its segment")
     deadline = time.monotonic() + timeout

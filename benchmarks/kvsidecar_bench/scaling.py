@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.ranks import RankError, RankProcess, each
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, Request, scale_rank_shape
 from kvsidecar_bench.stats import GIB, gib_per_s
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.ranks import RankError, RankProcess, each
 
 __all__ = ["MODEL", "ScalePoint", "ScaleRank", "measure_scaling"]
 
@@ -69,7 +69,7 @@ class ScalePoint:
 
 
 class ScaleRank:
-    """One engine rank of a TP-8 engine in its own process (kvsidecar.testing.ranks drives it): a session and its
+    """One engine rank of a TP-8 engine in its own process (kvsidecar_testing.ranks drives it): a session and its
     registered KV cache; `run` saves and loads `rounds` requests and answers with its timings."""
 
     def __init__(self, target: str, rank: int, blocks: int, nonce: str) -> None:
@@ -128,7 +128,7 @@ class ScaleRank:
 
 
 def measure_scaling(
-    daemon: Daemon,
+    daemon: DaemonProcess,
     rank_counts: Sequence[int],
     blocks: int,
     rounds: int,

@@ -63,8 +63,8 @@ QUICK = Settings(
 )
 
 
-# --device cuda, unless flags say otherwise: the sizes and shapes the GPU targets are judged at (issue 33), and a
-# segment that holds the largest request of the largest shape while it is loaded back.
+# --device cuda, unless flags say otherwise: the sizes and shapes the GPU targets are judged at
+# (report.GPU_TARGETS), and a segment that holds the largest request of the largest shape while it is loaded back.
 CUDA_DEFAULTS: dict[str, Any] = {
     "blocks": (8, 32, 128, 256),
     "shapes": ("mla", "gqa", "gqa-tp8"),
@@ -94,8 +94,8 @@ def _names(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 
 def _size(text: str) -> int:
-    from kvsidecar.config import parse_size
     from kvsidecar.errors import ConfigError
+    from kvsidecar.parsing import parse_size
 
     try:
         return parse_size(text)

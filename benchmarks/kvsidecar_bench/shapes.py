@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar_contract.placement import Chunk, Geometry, Layout, Parallel, load_plan, parse_groups, save_plan
+from kvsidecar_testing.hashes import chained_hashes
 
 if TYPE_CHECKING:
     import torch

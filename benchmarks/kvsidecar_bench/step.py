@@ -20,13 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.machine import process_stats
 from kvsidecar_bench.paths import Clock, Timing, model_name
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, EngineMemory, ModelShape, hashes_for
 from kvsidecar_bench.stats import Samples, ratio, rotated
+from kvsidecar_testing.processes import DaemonProcess
 
 __all__ = ["MODES", "StepPoint", "measure_step", "step_bytes", "steps"]
 
@@ -89,7 +89,7 @@ def steps(shapes: int, rounds: int) -> int:
 
 
 def measure_step(
-    daemon: Daemon, shapes: Sequence[ModelShape], requests: int, rounds: int, progress: Progress, nonce: str
+    daemon: DaemonProcess, shapes: Sequence[ModelShape], requests: int, rounds: int, progress: Progress, nonce: str
 ) -> list[StepPoint]:
     """Per shape, its save and load points, both modes side by side."""
     out: list[StepPoint] = []
@@ -129,7 +129,7 @@ def measure_step(
 class _client:
     """A rank session on the daemon with `memory` registered; closed on exit."""
 
-    def __init__(self, daemon: Daemon, shape: ModelShape, memory: EngineMemory) -> None:
+    def __init__(self, daemon: DaemonProcess, shape: ModelShape, memory: EngineMemory) -> None:
         from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
 
         self.client = SidecarClient.connect(

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.mooncake_direct import DirectClient
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, GQA, MLA, EngineMemory, ModelShape, Request
 from kvsidecar_contract.placement import Geometry
 from kvsidecar_contract.placement.keys import block_key, namespace_prefix
+from kvsidecar_testing.processes import DaemonProcess
 
 __all__ = ["CASES", "VolumeResult", "master_allocated_bytes", "measure_volume"]
 
@@ -93,7 +93,7 @@ class _Counts(NamedTuple):
 
 
 def _daemon_saves(
-    daemon: Daemon,
+    daemon: DaemonProcess,
     ranks: list[tuple[ModelShape, Geometry, EngineMemory]],
     request: Request,
     allocated: Callable[[], int],
@@ -156,7 +156,7 @@ def _naive_saves(
 
 
 def measure_volume(
-    daemon: Daemon,
+    daemon: DaemonProcess,
     daemon_allocated: Callable[[], int],
     naive_store: DirectClient,
     naive_allocated: Callable[[], int],

@@ -1,4 +1,4 @@
-"""benchmarks/serving.py's report, from a result like one its run writes (no vLLM needed to render)."""
+"""benchmarks/serving.py's report (serving_report.py), from a result like one its run writes (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ SERVING = Path(__file__).resolve().parents[1] / "serving.py"
 
 
 def load_serving():
-    spec = importlib.util.spec_from_file_location("serving", SERVING)
+    """The report's module, as serving.py imports it (from beside it)."""
+    spec = importlib.util.spec_from_file_location("serving_report", SERVING.with_name("serving_report.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("serving", module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

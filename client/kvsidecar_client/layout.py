@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvsidecar_client.errors import InvalidRequest
@@ -127,7 +127,11 @@ class GroupSpec(placement.GroupSpec):
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """Everything OpenSession says about one engine rank or scheduler; re-sent unchanged on every reconnect."""
+    """Everything OpenSession says about one engine rank or scheduler; re-sent unchanged on every reconnect.
+
+    The fields are the engine's words for it; the contract's Layout of the rank is built from them once, here, and
+    checked by the daemon's own rules (`placement_layout`): everything the session derives reads that one value.
+    """
 
     model: str
     layout: EngineLayout
@@ -147,6 +151,7 @@ class SessionSpec:
     # TP=N engine holds its heads (fewer, larger values; every TP size that shares must divide N). Every session of
     # an engine must agree; the KV heads of head-split groups' tensors must be the outermost dim of a block.
     share_across_tp: bool | int = False
+    placement_layout: placement.Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -174,23 +179,24 @@ class SessionSpec:
             if not isinstance(group, placement.GroupSpec):
                 raise InvalidRequest(f"group {index} must be a GroupSpec, got {type(group).__name__}")
         # Names, heads, U and how every block span aligns with U: the daemon's own rules, refused before connecting.
-        self.to_placement()
+        layout = _contract(
+            placement.Layout,
+            model=self.model,
+            groups=self.groups,
+            parallel=self.layout,
+            num_kv_heads=self.num_kv_heads,
+            hash_block_size=self.hash_block_size,
+            cache_prefix=self.cache_prefix,
+            hit_alignment_tokens=self.hit_alignment_tokens,
+            fine_grained_hits=self.fine_grained_hits,
+            value_identity=self.value_identity,
+            share_tp_size=self.share_tp_size,
+        )
+        object.__setattr__(self, "placement_layout", layout)
 
     def to_placement(self) -> placement.Layout:
         """The contract's Layout of this session's rank, validated by the daemon's rules."""
-        return _contract(
-            placement.Layout,
-            self.model,
-            self.groups,
-            self.layout,
-            self.num_kv_heads,
-            self.hash_block_size,
-            self.cache_prefix,
-            self.hit_alignment_tokens,
-            self.fine_grained_hits,
-            self.value_identity,
-            self.share_tp_size,
-        )
+        return self.placement_layout
 
     @property
     def share_tp_size(self) -> int:
@@ -203,7 +209,7 @@ class SessionSpec:
         one value where a group is cut by KV heads to be shared across TP sizes (rule 11). A group whose recurrent
         state is cut in pieces (rule 12) registers whole layers and declares no heads: the daemon cuts it from the
         state layout the session sent, so it is (1, 1) here."""
-        layout = self.to_placement()
+        layout = self.placement_layout
         return [
             (1, 1) if spec.state is not None else (layout.values_per_block(g), layout.kv_heads_of_rank())
             for g, spec in enumerate(layout.groups)
@@ -218,7 +224,7 @@ class SessionSpec:
         """The contract's OpenSessionRequest message."""
         return _contract(
             to_message,
-            self.to_placement(),
+            self.placement_layout,
             role=ROLES[self.role],
             hash_bytes=self.hash_bytes,
             client_name=self.client_name,

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvsidecar_client.errors import InvalidRequest
-from kvsidecar_client.memory import Segment, segment_of, track_memfd
+from kvsidecar_client.memory import SharedMemory, segment_of, track_memfd
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +143,7 @@ def _pieces(found: list[Vma], start: int, end: int) -> Iterator[tuple[int, int, 
             yield low, high - low, vma.shared
 
 
-def remap(tensor: torch.Tensor, *, chunk: int = DEFAULT_CHUNK_BYTES, smaps: str = "/proc/self/smaps") -> Segment:
+def remap(tensor: torch.Tensor, *, chunk: int = DEFAULT_CHUNK_BYTES, smaps: str = "/proc/self/smaps") -> SharedMemory:
     """Move a CPU tensor's storage, in place, into a sealed memfd the client can register; its segment.
 
     Already in a sealed memfd (a `shared_tensor`, or moved before): that segment, unchanged. The caller vouches

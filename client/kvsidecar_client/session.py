@@ -30,6 +30,7 @@ import grpc
 from kvsidecar_client._data import DataSocket
 from kvsidecar_client._side import SideSocket
 from kvsidecar_client.deadlines import Deadlines
+from kvsidecar_client.descriptions import describe_regions
 from kvsidecar_client.errors import (
     ClientClosed,
     DaemonUnavailable,
@@ -42,7 +43,6 @@ from kvsidecar_client.errors import (
     from_rpc_error,
 )
 from kvsidecar_client.layout import SessionSpec
-from kvsidecar_client.memory import describe_regions
 from kvsidecar_client.results import Registration, SessionInfo
 from kvsidecar_contract.limits import MAX_MEMFDS
 from kvsidecar_contract.methods import BY_FRAME

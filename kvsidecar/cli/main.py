@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvsidecar import __version__
-from kvsidecar.cli import bench, demo, layout, retention, serve, status, tokens
+from kvsidecar.cli import bench, demo, handover, layout, retention, serve, status, tokens
 
 __all__ = ["EXIT_OUTPUT_CLOSED", "EXIT_USAGE", "build_parser", "main"]
 
@@ -65,8 +65,8 @@ def _stdout_reader_gone() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        return bench.run(argv[1:])
+    if argv[:1] and argv[0] in handover.TOOLS:
+        return handover.run(argv[0], argv[1:])
     args: Any = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

@@ -14,7 +14,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from kvsidecar.config import from_args
+    from kvsidecar.config import from_args, settings_of
     from kvsidecar.daemon.process import serve
 
     try:
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     # A crash inside native code (Mooncake) leaves every thread's Python stack in the log, not silence.
     faulthandler.enable()
     try:
-        uvloop.run(serve(config))
+        uvloop.run(serve(settings_of(config)))
     except (DaemonError, StoreError, ConfigError, OSError) as exc:
         logging.getLogger("kvsidecar").error("cannot start: %s", exc)
         return 1

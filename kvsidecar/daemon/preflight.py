@@ -11,10 +11,10 @@ import logging
 import socket
 from pathlib import Path
 
-from kvsidecar.config import DEFAULT_SOCKET_MODE, parse_address
 from kvsidecar.daemon.settings import EventSettings, Settings
-from kvsidecar.daemon.sockets import socket_gid
+from kvsidecar.daemon.sockets import DEFAULT_SOCKET_MODE, socket_gid
 from kvsidecar.errors import DaemonError
+from kvsidecar.parsing import parse_address
 from kvsidecar.rpc.auth import TlsSettings, check_files_exist, read_token, server_credentials
 
 __all__ = ["preflight"]

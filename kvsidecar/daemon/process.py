@@ -11,10 +11,10 @@ import contextlib
 import logging
 import os
 import signal
-import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -22,13 +22,12 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvsidecar import __version__
-from kvsidecar.config import Config, parse_address
 from kvsidecar.daemon import notify
 from kvsidecar.daemon.loopback import LoopbackGuard
-from kvsidecar.daemon.master_link import reach_master
+from kvsidecar.daemon.master_link import connect_store
 from kvsidecar.daemon.parts import build_data_path, build_service, build_sessions, open_tenancy
 from kvsidecar.daemon.preflight import preflight
-from kvsidecar.daemon.settings import EventSettings, settings_of
+from kvsidecar.daemon.settings import EventSettings, Settings
 from kvsidecar.daemon.signals import Signals, StopSignals
 from kvsidecar.daemon.sockets import SocketLock, claim_socket
 from kvsidecar.datapath.retries import DEFAULT_CALL_S, RetryPolicy
@@ -39,41 +38,50 @@ from kvsidecar.events.publisher import PublisherError
 from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.runtime import GpuRuntime
+from kvsidecar.parsing import parse_address
 from kvsidecar.rpc.datasocket import DataSocket
 from kvsidecar.rpc.servers import DISK_TIER_HEALTH, SERVICE_NAME, create_servers
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.rpc.side import SideChannel
 from kvsidecar.store import Store
-from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.tenancy.live import Tenancy
 from kvsidecar.tiers.node import DiskTierNode
 from kvsidecar_contract.paths import data_socket_path, side_socket_path
+
+if TYPE_CHECKING:
+    from kvsidecar.daemon.master import EmbeddedMaster
 
 __all__ = ["HOUSEKEEPING_INTERVAL_S", "SHUTDOWN_GRACE_S", "Daemon", "serve"]
 
 log = logging.getLogger("kvsidecar")
 
 HOUSEKEEPING_INTERVAL_S = 1.0
-MOONCAKE_RPC_TIMEOUT_S = 30.0  # Mooncake's own default for MC_RPC_TIMEOUT_MS
 SHUTDOWN_GRACE_S = 5.0
 
 
 class Daemon:
     """One kvsidecar process. Pass `store` to run over a given store (tests); by default it builds Mooncake's.
 
-    Whatever the store, the daemon fences its listeners and, with --ssd-dir, keeps its disk tier.
+    Whatever the store, the daemon fences its listeners and, with --ssd-dir, keeps its disk tier. Each part is pushed
+    with its undo onto one exit stack as it starts, so stop() (or a start that fails) undoes exactly what started,
+    in reverse.
     """
+
+    # Set once the start has come that far; read only by what runs after it (the housekeeping, health, tests).
+    service: SidecarService
+    gpu: GpuRuntime
+    _health: health_aio.HealthServicer
 
     def __init__(
         self,
-        config: Config,
+        settings: Settings,
         *,
         store: Store | None = None,
         registry: CollectorRegistry | None = None,
         signals: Signals | None = None,
     ) -> None:
         """signals: the process's stop signals (serve's); a daemon in a thread of a test has none of its own."""
-        self.settings = settings = settings_of(config)  # each part is told only its own settings from here on
+        self.settings = settings  # each part is told only its own settings from here on
         self.signals = signals or Signals()
         # The disk tier is the daemon's own (tiers/), so it opens no listener: a single node admits nobody.
         single_node = not settings.master.address
@@ -82,25 +90,17 @@ class Daemon:
             self._master_admin_url,
         )
         self.metrics = Metrics(registry, listener_drops=self.fence.dropped)
-        self._store = store
+        self._given_store = store
         self._owns_store = store is None  # the daemon opens Mooncake itself, and so owns its process's listeners
-        self.master: Any = None
+        self._parts = contextlib.AsyncExitStack()  # what started, each with its undo
+        self.master: EmbeddedMaster | None = None
         self.master_address = settings.master.address
-        self.addresses: list[str] = []
-        self.metrics_url = ""
-        self._httpd: Any = None
-        self._servers: list[grpc.aio.Server] = []
-        self._health: health_aio.HealthServicer | None = None
-        self._housekeeping: asyncio.Task[None] | None = None
-        self.service: SidecarService | None = None
-        self.side: SideChannel | None = None
-        self.data_socket: DataSocket | None = None
-        self.tenancy: Tenancy | None = None
+        self.loopback = LoopbackGuard.none("not started")
+        self.tenancy: Tenancy | None = None  # a SIGHUP may come while the daemon starts
         self.disk_tier: DiskTierNode | None = None
         self.kv_events: NodeEvents | None = None
-        self.gpu: GpuRuntime | None = None
-        self.loopback = LoopbackGuard.none("not started")
-        self.socket_lock: SocketLock | None = None
+        self.addresses: list[str] = []
+        self.metrics_url = ""
         self._store_call_s = DEFAULT_CALL_S  # the longest one Mooncake call takes (its RPC timeout)
         self.failure = ""  # why the daemon stopped itself, if it did
 
@@ -112,23 +112,32 @@ class Daemon:
             await self.stop()
             raise
 
+    async def stop(self) -> None:
+        """Undo what started, in reverse: refuse new work, drain, release sessions, close the store, stop the master,
+        and let the socket go last."""
+        notify.stopping()
+        await self._parts.aclose()
+
     async def _start(self) -> None:
-        """Every part, in dependency order; stop() undoes them in reverse."""
-        s, loop = self.settings, asyncio.get_running_loop()
+        """Every part, in dependency order, each pushed with its undo."""
+        s, loop, parts = self.settings, asyncio.get_running_loop(), self._parts
         # Before anything is started: of any number of daemons started on one socket, one goes on from here.
-        self.socket_lock = claim_socket(s.socket.path, own_directory=s.socket.own_directory)
+        parts.callback(_let_socket_go, s.socket.path, claim_socket(s.socket.path, own_directory=s.socket.own_directory))
         gid = preflight(s)  # what can be checked without starting anything
         self.tenancy = tenancy = open_tenancy(s.tenancy, self.metrics)
-        self._serve_metrics()  # bound now: a port in use fails the start before a master or Mooncake is started
-        self._guard_loopback(loop)
+        metrics_port = self._serve_metrics()  # bound now: a port in use fails the start before a master or Mooncake
+        self.loopback = self._guard_loopback(loop)
+        parts.callback(self.loopback.leave)
         if s.disk is not None:
             # Claims the directory and replays its index (seconds for a full tier): off the event loop.
             open_disk = partial(DiskTierNode, s.disk, self.metrics, self._master_metrics_url)
             self.disk_tier = await loop.run_in_executor(None, open_disk)
-        self._store = store = await self._open_stores(loop)
+            parts.callback(self.disk_tier.release)
+        store = await self._open_stores()
         # CUDA contexts and the page-locked segment start in the background: ranks may register before they are done.
         self.gpu = gpu = GpuRuntime(s.gpu, store, self.metrics)
         gpu.start()
+        parts.push_async_callback(_in_thread, gpu.stop)  # unpins the segment before the store frees it
         self.kv_events = self._start_events(s.events, store)
         # The store and the GPU path into the sessions' movers, sessions and data path into the service.
         sessions = build_sessions(s.service, s.shares, store, self.metrics, gpu)
@@ -145,49 +154,49 @@ class Daemon:
             master_address=self.master_address,
             listeners=self.fence.listeners_with_drops,
         )
+        parts.push_async_callback(_in_thread, _release_service, self.service)
         await self._open_servers(self.service, gid)
         self._open_data_socket(self.service, gid)
-        self._report_listeners()
+        self._report_listeners(metrics_port)
         await self._check_store()
-        self._housekeeping = asyncio.create_task(self._housekeep())
+        parts.push_async_callback(self._refuse_new_work)
+        parts.push_async_callback(_cancel, asyncio.create_task(self._housekeep()))
         self._log_ready()
 
-    async def _open_stores(self, loop: asyncio.AbstractEventLoop) -> Store:
+    async def _refuse_new_work(self) -> None:
+        """The first of a stop: the health service says NOT_SERVING and new calls are refused."""
+        await self._health.enter_graceful_shutdown()
+        self.service.stop_accepting()
+
+    async def _open_stores(self) -> Store:
         """The store the data path uses: the given one or Mooncake's (its master embedded or not), the disk tier
         behind it."""
-        store = self._store
+        store = self._given_store
         if store is None:
             if not self.settings.master.address:
                 self._start_master()
-            store = await self._connect_store(loop)
-            self._store = store  # closed by stop() even if what follows fails
+            self._parts.callback(self.fence.release)  # once the store that opened the fenced listeners is closed
+            s = self.settings
+            store, self._store_call_s = await connect_store(
+                s.store, self.master_address, s.master.timeout, self.fence, self.signals
+            )
+        self._parts.push_async_callback(_in_thread, store.close)
         if self.disk_tier is not None:
             store = self.disk_tier.wrap(store)  # one store to the data path: DRAM, the disk behind it
         return store
 
-    async def _connect_store(self, loop: asyncio.AbstractEventLoop) -> Store:
-        """Mooncake's client, set up once its master accepts connections, trying again until --master-timeout."""
-        timeout = self.settings.master.timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            await reach_master(self.master_address, deadline, timeout)
-            try:
-                # The setup holds the GIL while it runs: a stop signal meanwhile ends the process at once.
-                with self.signals.fatal():
-                    return await loop.run_in_executor(None, self._open_store)
-            except StoreUnavailable as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("Mooncake setup failed, trying again until %g s have passed: %s", timeout, exc.reason)
-
-    def _serve_metrics(self) -> None:
+    def _serve_metrics(self) -> int:
+        """Serve /metrics; its port."""
         host, port = parse_address(self.settings.metrics_address)
         try:
             with self.loopback.host():  # the sockets operators and engines reach are the host's
-                self._httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
+                httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {self.settings.metrics_address}: {exc.strerror}") from None
-        self.metrics_url = f"http://{host}:{self._httpd.server_port}/metrics"
+        self._parts.callback(httpd.server_close)
+        self._parts.callback(httpd.shutdown)
+        self.metrics_url = f"http://{host}:{httpd.server_port}/metrics"
+        return int(httpd.server_port)
 
     def _start_events(self, settings: EventSettings | None, store: Store) -> NodeEvents | None:
         if settings is None:
@@ -201,7 +210,7 @@ class Daemon:
             self.metrics.registry,
             self.loopback.inside(store.tiers),
         )
-        self.kv_events = events  # stopped by stop() even if it fails to start
+        self._parts.push_async_callback(_in_thread, events.stop)  # even if it fails to start
         try:
             with self.loopback.host():
                 events.start()
@@ -213,24 +222,24 @@ class Daemon:
         s = self.settings
         tenancy, sessions = service.tenancy, service.sessions
         with self.loopback.host():
-            self._servers, self._health, self.addresses = create_servers(service, s.servers, self.metrics, gid)
-            self.side = SideChannel(side_socket_path(s.socket.path), tenancy.tickets, sessions.accept_fds)
-            self.side.bind(s.socket.mode, gid)
-            self.side.start()
-            for server in self._servers:
+            servers, self._health, self.addresses = create_servers(service, s.servers, self.metrics, gid)
+            side = SideChannel(side_socket_path(s.socket.path), tenancy.tickets, sessions.accept_fds)
+            self._parts.push_async_callback(_stop_servers, servers, side)
+            side.bind(s.socket.mode, gid)
+            side.start()
+            for server in servers:
                 await server.start()
 
     def _open_data_socket(self, service: SidecarService, gid: int | None) -> None:
         # A Unix path reaches the same socket from any network namespace: its connection threads start here, where
         # the data pool's do (inside the loopback guard), since they call the store.
         s = self.settings
-        self.data_socket = DataSocket(
-            data_socket_path(s.socket.path), service, self.metrics, s.service.max_message_bytes
-        )
-        self.data_socket.bind(s.socket.mode, gid)
-        self.data_socket.start()
+        data_socket = DataSocket(data_socket_path(s.socket.path), service, self.metrics, s.service.max_message_bytes)
+        self._parts.push_async_callback(_in_thread, data_socket.stop, SHUTDOWN_GRACE_S)
+        data_socket.bind(s.socket.mode, gid)
+        data_socket.start()
 
-    def _report_listeners(self) -> None:
+    def _report_listeners(self, metrics_port: int) -> None:
         # The event sockets are kvsidecar's own: recorded before the fence's first sweep, which would fence them.
         for role, address, allowed in self.kv_events.listeners() if self.kv_events else ():
             self.fence.add_own(role, address, allowed)
@@ -240,10 +249,10 @@ class Daemon:
             allowed = guarded if self.loopback.private else f"local accounts (loopback): {self.loopback.description}"
             self.fence.add_own("master-rpc", self.master.address, allowed)
             self.fence.add_own("master-http", self.master.metrics_url.removeprefix("http://"), allowed)
-        self.fence.report(self.settings.report, self.addresses, self._httpd.server_port, self.metrics)
+        self.fence.report(self.settings.report, self.addresses, metrics_port, self.metrics)
 
     def _log_ready(self) -> None:
-        assert self.tenancy is not None and self.gpu is not None
+        assert self.tenancy is not None
         extra = f" tcp+tls {self.addresses[1]}" if len(self.addresses) > 1 else ""
         origin = "embedded" if self.master is not None else "external"
         log.info(
@@ -259,35 +268,34 @@ class Daemon:
         )
         notify.ready(f"serving on {self.addresses[0]}")
 
-    def _guard_loopback(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _guard_loopback(self, loop: asyncio.AbstractEventLoop) -> LoopbackGuard:
         """Enter a private network namespace for the embedded master and Mooncake where this daemon can; where it
         cannot, say so, and refuse tenants unless the operator trusts the node's local accounts."""
         s = self.settings
         if not (self._owns_store and not s.master.address):
-            why = "external master" if s.master.address else "no embedded master"
-            self.loopback = LoopbackGuard.none(why)
-            return
+            return LoopbackGuard.none("external master" if s.master.address else "no embedded master")
         if s.store.protocol != "tcp":
-            self.loopback = LoopbackGuard.none(f"--protocol {s.store.protocol} uses the host's network devices")
+            guard = LoopbackGuard.none(f"--protocol {s.store.protocol} uses the host's network devices")
         else:
-            self.loopback = LoopbackGuard.enter_private()
-        if self.loopback.private:
+            guard = LoopbackGuard.enter_private()
+        if guard.private:
             # Threads started from now on by this thread share its namespace; the loop's executor may hold older
             # ones (started before the guard), so it gets a fresh one.
             loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kvsidecar-io"))
-            log.info("loopback guard: %s", self.loopback.description)
-            return
+            log.info("loopback guard: %s", guard.description)
+            return guard
         if s.tenancy.tenants and not s.tenancy.trust_local_accounts:
             raise DaemonError(
-                f"refusing --tenants: nothing guards the embedded master's loopback ports ({self.loopback.description}"
+                f"refusing --tenants: nothing guards the embedded master's loopback ports ({guard.description}"
                 "), so every local account of this node could list, remove and place any tenant's keys; give the "
                 "daemon CAP_SYS_ADMIN, or pass --trust-local-accounts if every local account is trusted (a pod's "
                 "own network namespace: see docs/security.md)"
             )
         log.warning(
             "loopback guard: %s: every local account can reach the embedded master's RPC and HTTP ports",
-            self.loopback.description,
+            guard.description,
         )
+        return guard
 
     def _master_admin_url(self) -> str:
         """The embedded master's admin HTTP address while it runs ("" without one)."""
@@ -303,38 +311,15 @@ class Daemon:
 
         # Started from the event loop's thread, which lives as long as the daemon: the master is told to stop
         # by the kernel if the daemon dies without stopping it (see EmbeddedMaster).
-        self.master = EmbeddedMaster(
+        self.master = master = EmbeddedMaster(
             binary=self.settings.master.binary or None,
             lease_ttl_ms=self.settings.master.lease_ttl_ms,
             env=ensure_native_libs(),
             max_soft_pin_ms=self.settings.master.max_soft_pin_ms,
         )
-        self.master.start()
-        self.master_address = self.master.address
-
-    def _open_store(self) -> Store:
-        # Mooncake is imported only here (and in the store package): the rest of the daemon runs without it.
-        from kvsidecar.store.mooncake_store import MooncakeSettings, MooncakeStore
-        from kvsidecar.store.native import ensure_native_libs
-
-        cfg = self.settings.store
-        ensure_native_libs()
-        self._store_call_s = _mooncake_environment(cfg.local_hostname)
-        settings = MooncakeSettings(
-            local_hostname=cfg.local_hostname,
-            metadata_server=cfg.metadata_server,
-            master_server_addr=self.master_address,
-            global_segment_size=cfg.segment_size,
-            local_buffer_size=cfg.local_buffer_size,
-            protocol=cfg.protocol,
-            rdma_devices=cfg.rdma_devices,
-            replica_num=cfg.replicas,
-        )
-        # Mooncake opens its listeners on every interface during setup; the fence seals them before it returns.
-        try:
-            return self.fence.open_store(lambda: MooncakeStore.connect(settings), lambda store: store.close())
-        except FenceError as exc:
-            raise DaemonError(f"refusing to run: {exc}") from None
+        self._parts.push_async_callback(_in_thread, master.stop)  # even if it fails to start
+        master.start()
+        self.master_address = master.address
 
     async def _check_store(self) -> None:
         assert self.service is not None and self._health is not None
@@ -365,7 +350,7 @@ class Daemon:
             if self._owns_store and not await self._sweep_fence():
                 return
             if self.master is not None and not self.master.alive():
-                self._restart_master()
+                _restart_master(self.master)
             await self._check_store()
 
     async def _sweep_fence(self) -> bool:
@@ -378,16 +363,6 @@ class Daemon:
             os.kill(os.getpid(), signal.SIGTERM)
             return False
         return True
-
-    def _restart_master(self) -> None:
-        # On the event loop's thread on purpose (see _start_master); a restart takes a fraction of a second.
-        log.error("embedded mooncake_master (PID %s) died: restarting it on %s", self.master.pid, self.master_address)
-        try:
-            self.master.restart()
-        except Exception as exc:
-            log.error("could not restart the embedded master (next try in %.0f s): %s", HOUSEKEEPING_INTERVAL_S, exc)
-            return
-        log.info("embedded mooncake_master restarted as PID %s; its store starts empty", self.master.pid)
 
     def reload_tenants(self) -> None:
         """Read the tenants file again (SIGHUP): new sessions get the new rights; a bad file keeps the old ones."""
@@ -403,73 +378,53 @@ class Daemon:
             return
         log.info("SIGHUP: tenants reloaded: %s", table.describe())
 
-    async def stop(self) -> None:
-        """Stop in reverse order: refuse new work, drain, release sessions, close the store, stop the master."""
-        notify.stopping()
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._housekeeping
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
-        if self.service is not None:
-            self.service.stop_accepting()
-        stops = [server.stop(SHUTDOWN_GRACE_S) for server in self._servers]
-        if self.data_socket is not None:
-            stops.append(asyncio.get_running_loop().run_in_executor(None, self.data_socket.stop, SHUTDOWN_GRACE_S))
-        await asyncio.gather(*stops)
-        if self.side is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.side.stop)
-        if self.kv_events is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.stop)
-        loop = asyncio.get_running_loop()
-        if self.service is not None:
-            await loop.run_in_executor(None, self.service.sessions.close_all)
-            await loop.run_in_executor(None, self.service.shutdown_pools)
-            await loop.run_in_executor(None, self.service.datapath.retention.stop)
-        if self.gpu is not None:
-            await loop.run_in_executor(None, self.gpu.stop)  # unpins the segment before the store frees it
-        if self._store is not None:
-            await loop.run_in_executor(None, self._store.close)
-        self.fence.release()
-        if self.master is not None:
-            await loop.run_in_executor(None, self.master.stop)
-        self.loopback.leave()
-        if self.disk_tier is not None:
-            self.disk_tier.release()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-        if self._servers:
-            Path(self.settings.socket.path).unlink(missing_ok=True)
-        if self.socket_lock is not None:
-            self.socket_lock.release()  # last: another daemon may take the socket from here on
+
+async def _in_thread(fn: Callable[..., object], *args: object) -> None:
+    """An undo that blocks, run off the event loop."""
+    await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-def _mooncake_environment(local_hostname: str) -> float:
-    """Mooncake's own environment variables, set at the edge where the operator has not; the longest one of its
-    calls to the master may take (its RPC timeout), in seconds."""
-    # Stay on loopback when the node is loopback.
-    if local_hostname in ("127.0.0.1", "localhost", "::1"):
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    # One attempt per setup (~4.4 s when it fails): the daemon waits for the master itself (--master-timeout).
-    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-    # A hung master must not hold a worker thread for Mooncake's default 30 s: lookups degrade to misses, and a load
-    # tries again within its deadline (datapath/retries.py).
-    os.environ.setdefault("MC_RPC_TIMEOUT_MS", "5000")
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _stop_servers(servers: list[grpc.aio.Server], side: SideChannel) -> None:
+    """The gRPC servers given their grace to answer calls in flight, then the side socket."""
+    await asyncio.gather(*(server.stop(SHUTDOWN_GRACE_S) for server in servers))
+    await _in_thread(side.stop)
+
+
+def _release_service(service: SidecarService) -> None:
+    """Every session's memory released, the service's pools shut down, the retention's work stopped."""
+    service.sessions.close_all()
+    service.shutdown_pools()
+    service.datapath.retention.stop()
+
+
+def _restart_master(master: EmbeddedMaster) -> None:
+    # On the event loop's thread on purpose (see Daemon._start_master); a restart takes a fraction of a second.
+    log.error("embedded mooncake_master (PID %s) died: restarting it on %s", master.pid, master.address)
     try:
-        timeout_ms = float(os.environ["MC_RPC_TIMEOUT_MS"])
-    except ValueError:
-        timeout_ms = 0
-    return timeout_ms / 1000 if timeout_ms > 0 else MOONCAKE_RPC_TIMEOUT_S  # <= 0: Mooncake waits its default
+        master.restart()
+    except Exception as exc:
+        log.error("could not restart the embedded master (next try in %.0f s): %s", HOUSEKEEPING_INTERVAL_S, exc)
+        return
+    log.info("embedded mooncake_master restarted as PID %s; its store starts empty", master.pid)
 
 
-async def serve(config: Config) -> None:
+def _let_socket_go(path: str, lock: SocketLock) -> None:
+    # The socket path is this daemon's while it holds the lock (the claim took over or refused whatever was there).
+    Path(path).unlink(missing_ok=True)
+    lock.release()  # another daemon may take the socket from here on
+
+
+async def serve(settings: Settings) -> None:
     """Run the daemon until SIGTERM or SIGINT, which also end a start at any point."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    daemon = Daemon(config, signals=StopSignals(loop, stop.set))
+    daemon = Daemon(settings, signals=StopSignals(loop, stop.set))
     loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
     starting = asyncio.ensure_future(daemon.start())
     stopping = asyncio.ensure_future(stop.wait())

@@ -1,25 +1,26 @@
-"""The daemon's settings as each part takes them: small frozen objects cut from Config here, and only here.
+"""What the daemon is told: every part's settings, each a small frozen object, and the daemon's own defaults.
 
-Config is every flag of the command line (config.py); a part is told only what it uses, in the settings type it
-declares itself (DiskTierSettings beside the disk tier, ServerSettings beside the servers), so a part's settings
-say at a glance what it depends on and a test builds one without a Config.
+A part is told only what it uses, in the settings type it declares itself (DiskTierSettings beside the disk tier,
+ServerSettings beside the servers; the daemon's own parts here), so a part's settings say at a glance what it depends
+on and a test builds one without a Config. The command line's Config is cut into them above the daemon
+(config/cut.py): the daemon never reads a flag.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kvsidecar.config import Config
 from kvsidecar.fence.daemon import ReportSettings
 from kvsidecar.movers.runtime import GpuSettings
-from kvsidecar.rpc.auth import TlsSettings
 from kvsidecar.rpc.servers import ServerSettings
 from kvsidecar.tenancy.shares import ShareLimits
 from kvsidecar.tiers.node import DiskTierSettings
-from kvsidecar_contract.paths import default_socket_path
 
 __all__ = [
+    "DEFAULT_LOCAL_BUFFER_BYTES",
+    "DEFAULT_MASTER_TIMEOUT_S",
+    "DEFAULT_MAX_LOOKUP_HASHES",
+    "DEFAULT_SEGMENT_BYTES",
     "EventSettings",
     "MasterSettings",
     "ServiceSettings",
@@ -27,8 +28,13 @@ __all__ = [
     "SocketSettings",
     "StoreSettings",
     "TenancySettings",
-    "settings_of",
 ]
+
+DEFAULT_SEGMENT_BYTES = 1 << 30  # the memory this node gives the Mooncake pool
+DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20  # the Mooncake client's transfer buffer
+# An unreachable master fails the start this soon (Mooncake's own setup retries it for ~90 s).
+DEFAULT_MASTER_TIMEOUT_S = 5.0
+DEFAULT_MAX_LOOKUP_HASHES = 1 << 17  # a 2M-token prompt at 16-token blocks; one call's work holds the GIL throughout
 
 
 @dataclass(frozen=True)
@@ -118,70 +124,3 @@ class Settings:
     service: ServiceSettings
     servers: ServerSettings
     report: ReportSettings
-
-
-def settings_of(config: Config) -> Settings:
-    """Each part's settings, cut from the daemon's Config."""
-    c = config
-    return Settings(
-        socket=SocketSettings(c.socket, c.socket_mode, c.socket_group, c.socket == default_socket_path()),
-        tenancy=TenancySettings(
-            c.tenants,
-            c.allow_shm_names,
-            c.trust_local_accounts,
-            c.segment_size // 2 if c.retained_bytes < 0 else c.retained_bytes,
-        ),
-        master=MasterSettings(
-            c.master,
-            c.master_binary,
-            c.master_lease_ttl_ms,
-            tuple(c.peer_network),
-            c.master_timeout,
-            math.ceil(c.max_retention_seconds * 1000),
-        ),
-        store=StoreSettings(
-            local_hostname=c.local_hostname,
-            metadata_server=c.metadata_server,
-            segment_size=c.segment_size,
-            local_buffer_size=c.local_buffer_size,
-            protocol=c.protocol,
-            rdma_devices=c.rdma_devices,
-            replicas=c.replicas,
-        ),
-        disk=DiskTierSettings(c.ssd_dir, c.ssd_size, c.ssd_buffer_size, c.master, c.master_client_ttl, c.segment_size)
-        if c.ssd_dir
-        else None,
-        gpu=GpuSettings(c.gpu, c.gpu_staging_size, c.gpu_bounce_size),
-        metrics_address=c.metrics_address,
-        events=EventSettings(c.kv_events_endpoint, c.kv_events_replay_endpoint, c.kv_events_topic)
-        if c.kv_events_endpoint
-        else None,
-        shares=ShareLimits(
-            max_sessions=c.max_sessions,
-            max_sessions_per_account=c.max_sessions_per_account,
-            max_memfds=c.max_memfds,
-            max_memfds_per_account=c.max_memfds_per_account,
-            max_registered_bytes=c.max_registered_bytes,
-            max_registered_bytes_per_account=c.max_registered_bytes_per_account,
-        ),
-        service=ServiceSettings(
-            c.workers,
-            c.lookup_workers,
-            c.lookups_per_account,
-            c.session_ttl,
-            c.max_lookup_hashes,
-            c.max_message_bytes,
-            c.max_retention_seconds,
-        ),
-        servers=ServerSettings(
-            socket=c.socket,
-            socket_mode=c.socket_mode,
-            socket_group=c.socket_group,
-            max_message_bytes=c.max_message_bytes,
-            max_lookup_hashes=c.max_lookup_hashes,
-            listen=c.listen,
-            tls=TlsSettings(c.tls_cert, c.tls_key, c.tls_client_ca, c.token_file),
-            tenants=bool(c.tenants),
-        ),
-        report=ReportSettings(c.socket_mode, c.socket_group, c.metrics_address),
-    )

@@ -20,9 +20,13 @@ from pathlib import Path
 
 from kvsidecar.errors import DaemonError
 
-__all__ = ["SocketLock", "claim_socket", "socket_gid", "socket_lock_path"]
+__all__ = ["DEFAULT_SOCKET_MODE", "MAX_UNIX_PATH_BYTES", "SocketLock", "claim_socket", "socket_gid", "socket_lock_path"]
 
 log = logging.getLogger("kvsidecar")
+
+DEFAULT_SOCKET_MODE = 0o660  # the owner and the engines' group (--socket-group): docs/security.md
+# sun_path holds 108 bytes with its NUL; the data and side sockets beside the socket add 5 to its path.
+MAX_UNIX_PATH_BYTES = 107
 
 
 def socket_lock_path(path: str) -> str:

@@ -3,5 +3,5 @@
 saves, loads and lookups without gRPC), the wire conversions, the one table from errors to status codes, credentials
 (TLS, tokens, tickets), the gRPC servers and the side socket.
 
-Imports: config, errors, values, metrics, fence, store, tenancy, sessions, datapath; grpc.
+Imports: errors, parsing, values, metrics, fence, store, tenancy, sessions, datapath; grpc.
 """

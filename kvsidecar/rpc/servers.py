@@ -11,15 +11,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvsidecar.config import parse_address
 from kvsidecar.errors import DaemonError
 from kvsidecar.metrics import Metrics
+from kvsidecar.parsing import parse_address
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.auth import TlsSettings, TokenAuth, check_files_exist, read_token, server_credentials
 from kvsidecar.rpc.servicer import SidecarService
 
-__all__ = ["DISK_TIER_HEALTH", "SERVICE_NAME", "ServerSettings", "create_servers"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DISK_TIER_HEALTH", "SERVICE_NAME", "ServerSettings", "create_servers"]
 
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # the largest gRPC message accepted or sent
 SERVICE_NAME = wire.SERVICE_NAME
 # The health service's name for the disk tier (with --ssd-dir): NOT_SERVING while it does not write (full, failing).
 DISK_TIER_HEALTH = "kvsidecar.disk_tier"

@@ -29,7 +29,9 @@ from kvsidecar.values import RegionRequest, Role, SessionSummary
 from kvsidecar_contract.limits import MAX_MEMFDS
 from kvsidecar_contract.placement import Geometry, Layout
 
-__all__ = ["SessionRegistry"]
+__all__ = ["DEFAULT_SESSION_TTL_S", "SessionRegistry"]
+
+DEFAULT_SESSION_TTL_S = 10.0  # how long a session lives without a KeepAlive (or its liveness connection)
 
 log = logging.getLogger(__name__)
 

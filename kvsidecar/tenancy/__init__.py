@@ -2,5 +2,5 @@
 refusals, write budgets, retention budgets, and the side socket's peer credentials and tickets. Every right is off
 unless granted.
 
-Imports: config, errors, metrics, store, values.
+Imports: errors, parsing, metrics, store, values.
 """

@@ -12,17 +12,29 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsidecar.config import (
-    DEFAULT_MAX_MEMFDS,
-    DEFAULT_MAX_MEMFDS_PER_ACCOUNT,
-    DEFAULT_MAX_REGISTERED_BYTES,
-    DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_MAX_SESSIONS_PER_ACCOUNT,
-)
 from kvsidecar.errors import Exhausted
+from kvsidecar.parsing import GiB, TiB
 
-__all__ = ["SessionShares", "ShareLimits", "Shares", "account_of"]
+__all__ = [
+    "DEFAULT_MAX_MEMFDS",
+    "DEFAULT_MAX_MEMFDS_PER_ACCOUNT",
+    "DEFAULT_MAX_REGISTERED_BYTES",
+    "DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT",
+    "DEFAULT_MAX_SESSIONS",
+    "DEFAULT_MAX_SESSIONS_PER_ACCOUNT",
+    "SessionShares",
+    "ShareLimits",
+    "Shares",
+    "account_of",
+]
+
+# Sized for a GPU node (8 GPUs, 1-2 TiB of host memory, one engine uid or a few): see docs/security.md.
+DEFAULT_MAX_REGISTERED_BYTES = 1 * TiB  # host memory (memfds, /dev/shm) registered by all sessions together
+DEFAULT_MAX_REGISTERED_BYTES_PER_ACCOUNT = 512 * GiB  # ... by one tenant (tenants file: max_registered_bytes) or uid
+DEFAULT_MAX_SESSIONS = 4096
+DEFAULT_MAX_SESSIONS_PER_ACCOUNT = 1024
+DEFAULT_MAX_MEMFDS = 4096  # memfds parked or mapped (each mapped one holds two of the daemon's descriptors)
+DEFAULT_MAX_MEMFDS_PER_ACCOUNT = 1024
 
 
 def account_of(tenant: str, uid: int | None, cert_subject: str | None = None) -> str:
@@ -124,7 +136,7 @@ class ShareLimits:
 
 
 class SessionShares:
-    """The shares sessions draw from: open sessions, memfds held, registered host bytes (settings in config.py)."""
+    """The shares sessions draw from: open sessions, memfds held, registered host bytes (ShareLimits)."""
 
     def __init__(
         self,

@@ -35,8 +35,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from kvsidecar.config import parse_size
 from kvsidecar.errors import ConfigError, Forbidden
+from kvsidecar.parsing import parse_size
 from kvsidecar_contract.placement import model_key
 
 __all__ = [

@@ -18,7 +18,7 @@ from kvsidecar.tiers.records import value_checksum
 __all__ = [
     "ALIGN",
     "BufferPool",
-    "Segment",
+    "SegmentFile",
     "accepts_direct",
     "copy_in",
     "default_file_size",
@@ -42,7 +42,7 @@ def default_file_size(capacity: int) -> int:
 
 
 @dataclass
-class Segment:
+class SegmentFile:
     """One segment file: its read descriptor, the keys it holds, and (the file being appended to) its writers.
 
     used: where its values end (the next one is appended there); size: the bytes it takes on disk, what the tier's
@@ -112,7 +112,7 @@ def skip(views: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def will_need(extents: list[tuple[Segment, int, int]]) -> None:
+def will_need(extents: list[tuple[SegmentFile, int, int]]) -> None:
     """Hand (file, offset, length) extents to the kernel's readahead, adjacent ones as one range."""
     extents = sorted(extents, key=lambda e: (e[0].number, e[1]))
     i = 0

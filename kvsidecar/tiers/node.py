@@ -19,11 +19,13 @@ from kvsidecar.tiers.holdings import count_tier_hits, master_memory_holdings
 from kvsidecar.tiers.results import DiskStats
 from kvsidecar.tiers.tiered import DISK, MEMORY, TieredStore
 
-__all__ = ["DiskTierNode", "DiskTierSettings"]
+__all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_SIZE_BYTES", "DiskTierNode", "DiskTierSettings"]
 
 log = logging.getLogger("kvsidecar")
 
 MiB = 1 << 20
+DEFAULT_SIZE_BYTES = 8 << 30  # laptop-sized; see docs/ssd-tier.md for a GPU node
+DEFAULT_BUFFER_BYTES = 64 * MiB  # the write queue: about a second of a laptop's saves
 _SAMPLE_EVERY_S = 5.0
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from kvsidecar.tiers.files import Segment, open_for_reads, round_up
+from kvsidecar.tiers.files import SegmentFile, open_for_reads, round_up
 from kvsidecar.tiers.records import PUT, decode_raw, segment_numbers
 
 __all__ = ["Entry", "Rebuilt", "rebuild"]
@@ -38,7 +38,7 @@ class Rebuilt:
     """What a directory holds: the index, its segments oldest first, their values' bytes, the tails cut."""
 
     index: dict[str, Entry] = field(default_factory=dict)
-    segments: OrderedDict[int, Segment] = field(default_factory=OrderedDict)
+    segments: OrderedDict[int, SegmentFile] = field(default_factory=OrderedDict)
     bytes: int = 0
     cut: int = 0
 
@@ -70,7 +70,7 @@ def rebuild(directory: Path) -> Rebuilt:
             with open(idx, "r+b") as f:
                 f.truncate(good)
                 os.fsync(f.fileno())
-        seg = found.segments[number] = Segment(number, -1, size=size)
+        seg = found.segments[number] = SegmentFile(number, -1, size=size)
         index, keys = found.index, seg.keys
         end = 0
         for kind, key, offset, length, checksum in records:

@@ -15,7 +15,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from kvsidecar.tiers.files import ALIGN, Segment, open_for_reads
+from kvsidecar.tiers.files import ALIGN, SegmentFile, open_for_reads
 
 __all__ = ["SegmentFiles"]
 
@@ -26,12 +26,12 @@ class SegmentFiles:
     """One directory's segment files, oldest first, and the one being appended to."""
 
     def __init__(
-        self, directory: Path, file_size: int, capacity: int, direct: bool, recovered: OrderedDict[int, Segment]
+        self, directory: Path, file_size: int, capacity: int, direct: bool, recovered: OrderedDict[int, SegmentFile]
     ) -> None:
         """Take over what recovery found: append to the newest file where it can, cut the others."""
         self.directory, self.file_size, self.capacity, self.direct = directory, file_size, capacity, direct
         self.segments = recovered
-        self.current: Segment | None = None
+        self.current: SegmentFile | None = None
         self._next = max(recovered, default=0) + 1
         self._dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         newest = next(reversed(recovered.values()), None)
@@ -53,7 +53,7 @@ class SegmentFiles:
             self.retire(self.current)
             self.current = None
 
-    def retire(self, seg: Segment) -> None:
+    def retire(self, seg: SegmentFile) -> None:
         """seg takes no more values: its writers closed, the file cut to what it uses."""
         if seg.wfd >= 0 and seg.size > seg.used:
             try:
@@ -69,7 +69,7 @@ class SegmentFiles:
         self._next += 1
         return number
 
-    def create(self, number: int) -> Segment:
+    def create(self, number: int) -> SegmentFile:
         """A new preallocated file with an empty index, opened for appending and reading (OSError: nothing left)."""
         path = self.directory / f"{number:08d}.seg"
         flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
@@ -86,14 +86,14 @@ class SegmentFiles:
             path.unlink(missing_ok=True)
             path.with_suffix(".idx").unlink(missing_ok=True)
             raise
-        return Segment(number, rfd, wfd=wfd, ifd=ifd, size=self.file_size)
+        return SegmentFile(number, rfd, wfd=wfd, ifd=ifd, size=self.file_size)
 
-    def add(self, seg: Segment) -> None:
+    def add(self, seg: SegmentFile) -> None:
         """A file create() made, appended to from now on."""
         self.segments[seg.number] = seg
         self.current = seg
 
-    def pop_oldest(self) -> Segment | None:
+    def pop_oldest(self) -> SegmentFile | None:
         """Remove the oldest file from disk (its descriptor for reads closes once no read uses it)."""
         if not self.segments:
             return None
@@ -117,7 +117,7 @@ class SegmentFiles:
         self.current = None
         os.close(self._dirfd)
 
-    def _go_on_with(self, seg: Segment) -> bool:
+    def _go_on_with(self, seg: SegmentFile) -> bool:
         """Append to a recovered file from where its values end; False if it cannot take more."""
         if seg.used + ALIGN > self.file_size or seg.size > self.file_size:
             return False
@@ -136,7 +136,7 @@ class SegmentFiles:
         self.current = seg
         return True
 
-    def _cut(self, seg: Segment) -> None:
+    def _cut(self, seg: SegmentFile) -> None:
         if seg.size <= seg.used:
             return
         try:
@@ -146,7 +146,7 @@ class SegmentFiles:
             log.warning("disk tier: cannot cut file %08d to its %d bytes: %s", seg.number, seg.used, exc)
 
 
-def close_writer(seg: Segment) -> None:
+def close_writer(seg: SegmentFile) -> None:
     """Close the descriptors seg is appended through."""
     for name in ("wfd", "ifd"):
         fd = getattr(seg, name)
@@ -155,7 +155,7 @@ def close_writer(seg: Segment) -> None:
             setattr(seg, name, -1)
 
 
-def close_if_dead(seg: Segment) -> None:
+def close_if_dead(seg: SegmentFile) -> None:
     """Close a dropped file's descriptor for reads once no read uses it."""
     if seg.dead and seg.readers == 0 and seg.rfd >= 0:
         os.close(seg.rfd)

@@ -33,6 +33,6 @@ for _ in 1 2 3 4 5; do
 done
 left=$(missing | tr '\n' ' ')
 [ -z "$left" ] || echo "install-offline: still missing after the wheelhouse: $left (libcuda.so.1 comes with the driver)" >&2
-echo "export PYTHONPATH=$SITE:$REPO:$REPO/contract:$REPO/client:$REPO/benchmarks\${PYTHONPATH:+:\$PYTHONPATH}"
+echo "export PYTHONPATH=$SITE:$REPO:$REPO/contract:$REPO/client:$REPO/testing:$REPO/benchmarks\${PYTHONPATH:+:\$PYTHONPATH}"
 echo "export PATH=$SITE/bin:\$PATH"
 echo "export LD_LIBRARY_PATH=$SITE/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"

@@ -76,8 +76,8 @@ def prefill_ms(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, 
 
 def load_ms(target: str, layers: int, kv_heads: int) -> dict[str, float]:
     """Save the prompt's blocks through the daemon, then time loading them into other blocks (and the GPU's limit)."""
-    from kvsidecar.testing.hashes import chained_hashes
     from kvsidecar_client import EngineLayout, GroupSpec, Hit, SidecarClient
+    from kvsidecar_testing.hashes import chained_hashes
 
     blocks = TOKENS // BLOCK
     slice_bytes = BLOCK * kv_heads * 2 * 128 * 2  # K and V, head dim 128, bf16
@@ -145,11 +145,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
-    from kvsidecar.testing.processes import Daemon
+    from kvsidecar_testing.processes import DaemonProcess
 
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "tokens": TOKENS, "shapes": {}}
     with tempfile.TemporaryDirectory(prefix="serving-limit-") as work:
-        daemon = Daemon(Path(work), segment_size="8GiB", log_level="info")
+        daemon = DaemonProcess(Path(work), segment_size="8GiB", log_level="info")
         daemon.start(timeout=120)
         try:
             deadline = time.monotonic() + 120

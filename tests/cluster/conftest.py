@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from netns import Fabric, Node, free_subnet, require_root
+from nodes import NodeDaemon
 
 from kvsidecar.daemon.master import find_master_binary
 
@@ -101,6 +103,22 @@ def daemon_flags(master: Master, node: Node, segment: str = SEGMENT) -> list[str
         "--segment-size", segment,
         "--metrics-address", "127.0.0.1:0",
     ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def daemons_on_a_and_b(
+    fabric: Fabric, master: Master, workdir: Path, extra: Callable[[str], list[str]] = lambda name: []
+) -> Iterator[dict[str, NodeDaemon]]:
+    """Daemons on nodes A and B (in the peer network), each contributing a 16 MiB segment, with extra(name) flags."""
+    started: dict[str, NodeDaemon] = {}
+    try:
+        for name, ip in (("a", A_IP), ("b", B_IP)):
+            node = fabric.add(int(ip.rsplit(".", 1)[1]))
+            started[name] = NodeDaemon(workdir, [*daemon_flags(master, node), *extra(name)], node, name).start()
+        yield started
+    finally:
+        for d in started.values():
+            d.stop()
 
 
 MANIFEST = Path(__file__).parents[2] / "deploy/kubernetes/overlays/multi-node/daemonset-external-master.yaml"

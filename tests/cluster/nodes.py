@@ -59,7 +59,7 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-class Daemon:
+class NodeDaemon:
     """`kvsidecar serve` with the given flags, in a node's namespace or in this one, on a socket in workdir."""
 
     def __init__(self, workdir: Path, args: list[str], node: Node | None = None, name: str = "daemon") -> None:
@@ -75,7 +75,7 @@ class Daemon:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, timeout: float = 90.0) -> Daemon:
+    def start(self, timeout: float = 90.0) -> NodeDaemon:
         argv = [*KVSIDECAR, "serve", *self.args]
         env = dict(os.environ, MC_STORE_CLIENT_SETUP_RETRIES="1")
         with open(self.log_path, "ab") as log:

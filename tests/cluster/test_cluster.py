@@ -12,13 +12,24 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import A_IP, B_IP, C_IP, CLIENT_TTL_S, MANIFEST, OUTSIDE_IP, PEERS, Master, daemon_flags
+from conftest import (
+    A_IP,
+    B_IP,
+    C_IP,
+    CLIENT_TTL_S,
+    MANIFEST,
+    OUTSIDE_IP,
+    PEERS,
+    Master,
+    daemon_flags,
+    daemons_on_a_and_b,
+)
 from netns import Fabric, Node
-from nodes import Daemon, listener_filters
+from nodes import NodeDaemon, listener_filters
 
-from kvsidecar.testing.oracle import Prompt
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key, key_prefix
+from kvsidecar_testing.oracle import Prompt
+from kvsidecar_testing.ranks import RankProcess
 from support import e2e_rank
 from support.e2e_engine import GQA, MAMBA_CONV, MAMBA_SSM, MLA, SimEngine, cold_pass, scheduler, unique_model, warm_pass
 
@@ -35,33 +46,18 @@ def hybrid(name: str) -> Layout:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RankProcess]]:
     """Four rank processes in the root namespace: the engine on A uses 0-1, the one on B 2-3."""
-    workdir = tmp_path_factory.mktemp("cluster-ranks")
-    procs = [e2e_rank.start(workdir, f"rank{i}") for i in range(4)]
-    try:
-        for proc in procs:
-            proc.wait_ready()
+    with e2e_rank.started(tmp_path_factory.mktemp("cluster-ranks"), 4) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture(scope="module")
-def nodes(fabric: Fabric, master: Master, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Daemon]]:
+def nodes(fabric: Fabric, master: Master, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeDaemon]]:
     """Daemons on nodes A and B (in the peer network), each contributing a 16 MiB segment."""
-    workdir = tmp_path_factory.mktemp("cluster-daemons")
-    started: dict[str, Daemon] = {}
-    try:
-        for name, ip in (("a", A_IP), ("b", B_IP)):
-            node = fabric.add(int(ip.rsplit(".", 1)[1]))
-            started[name] = Daemon(workdir, daemon_flags(master, node), node, name).start()
+    with daemons_on_a_and_b(fabric, master, tmp_path_factory.mktemp("cluster-daemons")) as started:
         yield started
-    finally:
-        for d in started.values():
-            d.stop()
 
 
-def engine_on(daemon: Daemon, procs: list[RankProcess], layout: Layout) -> SimEngine:
+def engine_on(daemon: NodeDaemon, procs: list[RankProcess], layout: Layout) -> SimEngine:
     return SimEngine(procs, f"unix://{daemon.socket}", layout, TENSORS).open()
 
 
@@ -88,7 +84,7 @@ def key_model(layout: Layout) -> str:
     return key_prefix(layout.model, layout.cache_prefix)
 
 
-def lookup(daemon: Daemon, layout: Layout, prompt: Prompt):  # type: ignore[no-untyped-def]
+def lookup(daemon: NodeDaemon, layout: Layout, prompt: Prompt):  # type: ignore[no-untyped-def]
     client = scheduler(f"unix://{daemon.socket}", layout)
     try:
         return client.lookup(prompt.hashes, prompt.num_tokens)
@@ -105,7 +101,7 @@ def probe(node: Node, targets: list[str]) -> list[dict[str, str]]:
 
 def never_wrong_bytes(engine: SimEngine, prompt: Prompt, hit_tokens: int) -> None:
     """Every block holds what the oracle says after the load, or still the poison of a cleared block."""
-    from kvsidecar.testing.oracle import POISON, digest
+    from kvsidecar_testing.oracle import POISON, digest
 
     found = engine.digests()
     problems = engine.verify(prompt, hit_tokens)
@@ -167,7 +163,7 @@ def test_only_the_peer_network_reaches_mooncakes_ports(nodes, fabric, master, tm
     # (Its Mooncake client would wait on the dropped SYNs until its own connect timeout: a misconfigured peer
     # shows up as slow failed loads and as refused packets on A, never as a connection.)
     c_node = fabric.add(int(C_IP.rsplit(".", 1)[1]))
-    c = Daemon(tmp_path, daemon_flags(master, c_node, segment="0"), c_node, "c").start()
+    c = NodeDaemon(tmp_path, daemon_flags(master, c_node, segment="0"), c_node, "c").start()
     try:
         assert {r["outcome"] for r in probe(c_node, targets)} == {"connect timed out"}
     finally:

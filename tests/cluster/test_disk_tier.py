@@ -10,14 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import A_IP, B_IP, Master, daemon_flags
+from conftest import Master, daemons_on_a_and_b
 from netns import Fabric
-from nodes import Daemon
+from nodes import NodeDaemon
 
-from kvsidecar.testing.oracle import Prompt
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar.tiers.records import indexed_keys
 from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_testing.oracle import Prompt
+from kvsidecar_testing.ranks import RankProcess
 from support import e2e_rank
 from support.e2e_engine import GQA, SimEngine, cold_pass, scheduler, unique_model, warm_pass
 
@@ -31,37 +31,25 @@ PROMPTS = 10  # 60 MiB through A, against 32 MiB of DRAM in the cluster
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RankProcess]]:
     """Two rank processes in the root namespace: the engine on A uses 0, the one on B 1."""
-    workdir = tmp_path_factory.mktemp("disk-ranks")
-    procs = [e2e_rank.start(workdir, f"rank{i}") for i in range(2)]
-    try:
-        for proc in procs:
-            proc.wait_ready()
+    with e2e_rank.started(tmp_path_factory.mktemp("disk-ranks"), 2) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture(scope="module")
 def nodes(
     fabric: Fabric, master: Master, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, tuple[Daemon, Path]]]:
+) -> Iterator[dict[str, tuple[NodeDaemon, Path]]]:
     """Daemons on A and B, each with a 16 MiB segment and a disk tier of its own."""
     workdir = tmp_path_factory.mktemp("disk-daemons")
-    started: dict[str, tuple[Daemon, Path]] = {}
-    try:
-        for name, ip in (("a", A_IP), ("b", B_IP)):
-            node = fabric.add(int(ip.rsplit(".", 1)[1]))
-            ssd = workdir / f"ssd-{name}"
-            flags = [*daemon_flags(master, node), "--ssd-dir", str(ssd), "--ssd-size", "256MiB"]
-            started[name] = (Daemon(workdir, flags, node, name).start(), ssd)
-        yield started
-    finally:
-        for d, _ in started.values():
-            d.stop()
+
+    def disk_tier(name: str) -> list[str]:
+        return ["--ssd-dir", str(workdir / f"ssd-{name}"), "--ssd-size", "256MiB"]
+
+    with daemons_on_a_and_b(fabric, master, workdir, disk_tier) as started:
+        yield {name: (d, workdir / f"ssd-{name}") for name, d in started.items()}
 
 
-def hit_tokens(daemon: Daemon, layout: Layout, prompt: Prompt):  # type: ignore[no-untyped-def]
+def hit_tokens(daemon: NodeDaemon, layout: Layout, prompt: Prompt):  # type: ignore[no-untyped-def]
     client = scheduler(f"unix://{daemon.socket}", layout)
     try:
         return client.lookup(prompt.hashes, prompt.num_tokens)

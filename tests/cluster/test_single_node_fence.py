@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from netns import Fabric, Node, free_subnet, require_root
-from nodes import KVSIDECAR, Daemon, NamespaceOf, children, listener_filters
+from nodes import KVSIDECAR, NamespaceOf, NodeDaemon, children, listener_filters
 
 from kvsidecar.fence import bpf, proctcp
 
@@ -42,9 +42,11 @@ def outside(fabric: Fabric) -> Node:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, fabric: Fabric) -> Iterator[Daemon]:
+def daemon(tmp_path_factory: pytest.TempPathFactory, fabric: Fabric) -> Iterator[NodeDaemon]:
     """The README's command, with a small segment: embedded master, TCP, P2PHANDSHAKE."""
-    d = Daemon(tmp_path_factory.mktemp("single-node"), ["--segment-size", "16MiB", "--metrics-address", "127.0.0.1:0"])
+    d = NodeDaemon(
+        tmp_path_factory.mktemp("single-node"), ["--segment-size", "16MiB", "--metrics-address", "127.0.0.1:0"]
+    )
     d.start()
     yield d
     assert d.stop() == 0, d.log()
@@ -56,17 +58,17 @@ def probe(node: Node, address: int, targets: list[str]) -> list[dict[str, str]]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
-def master_of(d: Daemon) -> int:
+def master_of(d: NodeDaemon) -> int:
     (pid,) = children(d.pid)
     return pid
 
 
-def master_port(d: Daemon, flag: str) -> str:
+def master_port(d: NodeDaemon, flag: str) -> str:
     args = Path(f"/proc/{master_of(d)}/cmdline").read_bytes().split(b"\0")
     return next(a.split(b"=")[1].decode() for a in args if a.startswith(f"--{flag}=".encode()))
 
 
-def segment_base(d: Daemon) -> int:
+def segment_base(d: NodeDaemon) -> int:
     """The daemon's segment (a registered buffer), as its master's admin HTTP tells whoever shares its namespace."""
     url = f"http://127.0.0.1:{master_port(d, 'metrics_port')}/get_segments_detail"
     fetch = f"import urllib.request, sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
@@ -152,7 +154,7 @@ def test_inside_the_daemons_namespace_the_fence_still_drops_every_packet(daemon)
 def test_a_mooncake_client_mounting_a_segment_in_the_daemons_namespace_stops_the_daemon(tmp_path):
     """Behind the guard, only root entering the daemon's namespace can reach its master; a client there mounting a
     segment would receive some of the daemon's blocks: the daemon fails closed."""
-    d = Daemon(tmp_path, ["--segment-size", "16MiB", "--metrics-address", "127.0.0.1:0"]).start()
+    d = NodeDaemon(tmp_path, ["--segment-size", "16MiB", "--metrics-address", "127.0.0.1:0"]).start()
     rpc = master_port(d, "rpc_port")
     rogue = NamespaceOf(d.pid).popen(
         [sys.executable, str(HERE / "exposed_client.py"), f"127.0.0.1:{rpc}"],

@@ -103,10 +103,10 @@ def test_every_test_the_docs_cite_is_defined():
 def test_the_pattern_finds_a_missing_path_and_passes_over_what_is_no_path(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text(
-        "`kvsidecar/config.py` and `tests/unit/{daemon,client}/` exist, `kvsidecar/ssd.py` does not; "
+        "`kvsidecar/metrics.py` and `tests/unit/{daemon,client}/` exist, `kvsidecar/ssd.py` does not; "
         "`org/Model`, `10.0.0.0/16` and `DIR/kvsidecar.lock` are no paths; [link](missing.md#anchor)\n"
     )
     found = dict(repository_paths(doc))
-    assert found.keys() == {"kvsidecar/config.py", "tests/unit/daemon", "tests/unit/client", "kvsidecar/ssd.py",
+    assert found.keys() == {"kvsidecar/metrics.py", "tests/unit/daemon", "tests/unit/client", "kvsidecar/ssd.py",
                             "missing.md"}  # fmt: skip
     assert {p for p, where in found.items() if where is None} == {"kvsidecar/ssd.py", "missing.md"}

@@ -18,6 +18,7 @@ STAMPED = (
     "contract/pyproject.toml",
     "client/pyproject.toml",
     "benchmarks/pyproject.toml",
+    "testing/pyproject.toml",
     "scripts/setup.sh",
 )
 

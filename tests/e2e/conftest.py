@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_client import SidecarClient
 from kvsidecar_contract.placement import Layout
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.ranks import RankProcess
 from support import e2e_rank
 from support.e2e_engine import SimEngine, TensorSpec, scheduler
 
@@ -17,9 +17,9 @@ NUM_RANK_PROCESSES = 4  # the widest engine of the scenarios
 
 
 @pytest.fixture(scope="session")
-def e2e_daemon(mooncake_master, tmp_path_factory) -> Iterator[Daemon]:
+def e2e_daemon(mooncake_master, tmp_path_factory) -> Iterator[DaemonProcess]:
     """A real `kvsidecar serve` process on the session's master."""
-    daemon = Daemon(tmp_path_factory.mktemp("e2e-daemon"), master=mooncake_master.address).start()
+    daemon = DaemonProcess(tmp_path_factory.mktemp("e2e-daemon"), master=mooncake_master.address).start()
     yield daemon
     assert daemon.stop() == 0, daemon.log()
 
@@ -30,16 +30,10 @@ def rank_procs(request, tmp_path_factory) -> Iterator[list[RankProcess]]:
 
     Starting a process costs 1-3 s (torch), so scenarios reuse them; one scenario's rank i is process i.
     """
-    workdir = tmp_path_factory.mktemp("e2e-ranks")
-    procs = [e2e_rank.start(workdir, f"rank{i}") for i in range(NUM_RANK_PROCESSES)]
-    try:
-        request.getfixturevalue("e2e_daemon")  # start the daemon while the ranks import torch
-        for proc in procs:
-            proc.wait_ready()
+    # The daemon starts while the ranks import torch.
+    meanwhile = lambda: request.getfixturevalue("e2e_daemon")  # noqa: E731
+    with e2e_rank.started(tmp_path_factory.mktemp("e2e-ranks"), NUM_RANK_PROCESSES, meanwhile) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.testing.processes import Daemon
+from kvsidecar_testing.processes import DaemonProcess
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def demo(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def open_sessions(daemon: Daemon) -> float:
+def open_sessions(daemon: DaemonProcess) -> float:
     with urllib.request.urlopen(daemon.metrics_url, timeout=5) as reply:
         text = reply.read().decode()
     return sum(
@@ -40,7 +40,7 @@ def test_demo_against_a_running_daemon_with_tenants(mooncake_master, tmp_path):
     """A daemon with a tenants file grants the demo's uid a prefix: the demo runs under it when told to."""
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'[tenants.team-a]\nuids = [{os.getuid()}]\nprefixes = ["team-a/*"]\n')
-    daemon = Daemon(tmp_path, master=mooncake_master.address, extra=("--tenants", str(tenants))).start()
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address, extra=("--tenants", str(tenants))).start()
     try:
         refused = demo("--socket", daemon.socket)  # its own random prefix: not the tenant's
         assert refused.returncode == 1, refused.stdout + refused.stderr

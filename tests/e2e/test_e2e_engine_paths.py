@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 
 from kvsidecar.store import StoreCode
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.oracle import POISON, Prompt, digest, pattern
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.oracle import POISON, Prompt, digest, pattern
 from support.e2e_engine import (
     GQA,
     MAMBA_CONV,

@@ -1,6 +1,6 @@
 """End to end: a real master, a real daemon process, and one OS process per engine rank with the real client.
 
-Every scenario runs a cold pass (every rank fills its regions with what it truly holds, per `kvsidecar.testing.oracle`,
+Every scenario runs a cold pass (every rank fills its regions with what it truly holds, per `kvsidecar_testing.oracle`,
 and saves), clears every region with a poison byte, then a warm pass (a scheduler session looks up, every rank
 loads into other block ids) and checks every block of every region of every rank byte for byte against the oracle.
 """
@@ -13,9 +13,9 @@ import uuid
 import pytest
 
 from kvsidecar.store import StoreCode
-from kvsidecar.testing.oracle import Prompt
 from kvsidecar_client import Hit
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, Parallel, block_key
+from kvsidecar_testing.oracle import Prompt
 from support.e2e_engine import (
     GQA,
     MAMBA_CONV,

@@ -27,9 +27,9 @@ from kvsidecar_client._side import side_socket_for
 from kvsidecar_contract.paths import TICKET_METADATA
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_testing.processes import DaemonProcess, free_port
 from support.certs import make_pki
 from support.fuzzwire import fuzz_settings
-from support.processes import DaemonProcess, free_port
 from support.rawrank import group, open_request
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """Fuzzing layouts end to end: every rank of a random engine saves a prompt, a lookup hits it, every rank loads it.
 
-The bytes each rank writes come from the engine-side oracle (`kvsidecar.testing.oracle`: what a rank holds for its
+The bytes each rank writes come from the engine-side oracle (`kvsidecar_testing.oracle`: what a rank holds for its
 heads, latent, state shard, sequence slice and stage), never from the placement rules; so a load that brings back a
 block another replication set wrote is caught as foreign bytes, and any other wrong byte as corruption. The hit length
 is checked against rule 9 stated from the outside (everything saved: the prompt's last U boundary, rounded down to
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvsidecar.testing import oracle
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing import oracle
 from support.fuzzsessions import Guarded, check_memory, close_all
 from support.fuzzstrategies import chain, valid_open_requests
 from support.fuzzwire import check_clean, fuzz_settings

@@ -18,8 +18,8 @@ import pytest
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.waiting import wait_until
 from support.fuzzdaemon import FuzzDaemon
 from support.fuzzwire import Wire, check_clean
 from support.guarded import Geometry, GuardedSegment, region

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.ranks import RankProcess
 from kvsidecar_contract.placement import Geometry, GroupSpec, Layout, Parallel, kind_of, load_plan, save_plan
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.ranks import RankProcess
 from support.cuda_rank import BLOCK_TOKENS, DEVICE, CudaRank
 
 pytestmark = pytest.mark.integration
@@ -51,14 +51,14 @@ def wait_for(what: str, check, timeout: float, every: float = 0.05) -> float:  #
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Iterator[Daemon]:  # type: ignore[no-untyped-def]
+def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:  # type: ignore[no-untyped-def]
     workdir = tmp_path_factory.mktemp("daemon")
     if ON_GPU:
         flags = ("--gpu-staging-size", "256MiB")
-        d = Daemon(workdir, session_ttl=LEASE_S, segment_size="8GiB", log_level="info", extra=flags)
+        d = DaemonProcess(workdir, session_ttl=LEASE_S, segment_size="8GiB", log_level="info", extra=flags)
     else:
         flags = ("--gpu", "cpu", "--gpu-staging-size", "16MiB", "--gpu-bounce-size", "16MiB")
-        d = Daemon(workdir, session_ttl=LEASE_S, segment_size="128MiB", extra=flags)
+        d = DaemonProcess(workdir, session_ttl=LEASE_S, segment_size="128MiB", extra=flags)
     d.start(timeout=120)
     if ON_GPU:
         # CUDA and the page-locked segment start in the background: the speed checks want the segment locked.
@@ -73,7 +73,7 @@ def daemon(tmp_path_factory) -> Iterator[Daemon]:  # type: ignore[no-untyped-def
     print((d.workdir / "daemon.log").read_text()[-3000:])
 
 
-def rank(daemon: Daemon, tmp: Path, name: str, groups, blocks: int) -> RankProcess:  # type: ignore[no-untyped-def]
+def rank(daemon: DaemonProcess, tmp: Path, name: str, groups, blocks: int) -> RankProcess:  # type: ignore[no-untyped-def]
     """A CudaRank in a process of its own (its first CUDA call included in the start)."""
     proc = RankProcess(CudaRank, daemon.target, "gpu/check", groups, blocks, name=name, log_path=tmp / f"{name}.log")
     return proc.start(timeout=120)

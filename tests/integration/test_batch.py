@@ -9,8 +9,6 @@ import grpc
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import (
     EngineLayout,
     InvalidRequest,
@@ -23,18 +21,12 @@ from kvsidecar_client import (
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto.sidecar_pb2_grpc import SidecarStub
+from kvsidecar_testing.hashes import chained_hashes
 
 pytestmark = pytest.mark.integration
 
 U = 16
 NUM_BLOCKS = 64
-
-
-@pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path, master=mooncake_master.address).start()
-    yield d
-    assert d.stop() == 0, d.log()
 
 
 @pytest.fixture

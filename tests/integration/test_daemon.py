@@ -12,10 +12,10 @@ import urllib.request
 import grpc
 import pytest
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.waiting import wait_until
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -36,12 +36,12 @@ def pattern(tag: str, block: int = BLOCK) -> bytes:
 
 @pytest.fixture
 def daemon(mooncake_master, tmp_path, request):
-    # The testing Daemon's lease is long; a test about expiry asks for a short one (indirect parametrize).
+    # A DaemonProcess's lease is long; a test about expiry asks for a short one (indirect parametrize).
     ttl = getattr(request, "param", None)
     d = (
-        Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address, session_ttl=ttl)
+        DaemonProcess(tmp_path, allow_shm_names=True, master=mooncake_master.address, session_ttl=ttl)
         if ttl
-        else Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address)
+        else DaemonProcess(tmp_path, allow_shm_names=True, master=mooncake_master.address)
     ).start()
     yield d
     assert d.stop() == 0, d.log()
@@ -350,7 +350,7 @@ def test_stale_socket_is_taken_over_and_a_live_one_is_not(mooncake_master, tmp_p
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
     stale.close()  # a crashed daemon leaves its socket file behind
-    d = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
+    d = DaemonProcess(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
     try:
         assert oct(os.stat(path).st_mode & 0o777) == "0o660"
         second = subprocess.run(

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.metric_names import metric_names_in_deploy, sample_names
 from kvsidecar.daemon.master import EmbeddedMaster
-from kvsidecar.testing.processes import Daemon, free_port, stop_pid
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.processes import DaemonProcess, free_port, stop_pid
+from kvsidecar_testing.waiting import wait_until
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -87,7 +87,7 @@ def test_no_flags_starts_an_embedded_master_and_stops_it(tmp_path):
 
 def test_master_killed_and_restarted(tmp_path):
     master = EmbeddedMaster(rpc_port=free_port(), metrics_port=free_port()).start()
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=master.address).start()
+    daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=master.address).start()
     rank = RawRank(daemon.target, open_request([group("mla", 16), group("mamba", 16)], model="org/Restart"), 16, 1024)
     try:
         rank.register()
@@ -141,7 +141,7 @@ def test_master_killed_and_restarted(tmp_path):
 def test_every_metric_the_deploy_tree_uses_is_exported(mooncake_master, tmp_path):
     # With every optional part on that exports metrics of its own (the KV-event publisher).
     events = f"ipc://{tmp_path}/events"
-    daemon = Daemon(tmp_path, master=mooncake_master.address, extra=("--kv-events-endpoint", events)).start()
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address, extra=("--kv-events-endpoint", events)).start()
     try:
         body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     finally:
@@ -153,7 +153,7 @@ def test_every_metric_the_deploy_tree_uses_is_exported(mooncake_master, tmp_path
 
 
 def test_scheduler_sessions_show_in_the_sessions_gauge(mooncake_master, tmp_path):
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
+    daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
     sched = RawRank(daemon.target, open_request([group("mla", 16)], role=pb.ROLE_SCHEDULER))
     try:
         body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
@@ -220,7 +220,7 @@ def test_the_daemon_tells_systemd_when_it_is_ready_and_when_it_stops(mooncake_ma
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
     listener.settimeout(30)
-    daemon = Daemon(
+    daemon = DaemonProcess(
         tmp_path, allow_shm_names=True, master=mooncake_master.address, env={"NOTIFY_SOCKET": str(notify_path)}
     )
     try:

@@ -12,19 +12,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import EngineLayout, LoadItem, SaveItem, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_client._side import SideSocket
 from kvsidecar_contract import frames
 from kvsidecar_contract.paths import data_socket_path, side_socket_path
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import DaemonProcess
 from support.localusers import shared_dir, throwaway_users
 from support.rawrank import group, open_request
 
@@ -35,14 +34,7 @@ NUM_BLOCKS = 32
 INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED = 3, 5, 7, 8
 
 
-@pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path, master=mooncake_master.address).start()
-    yield d
-    assert d.stop() == 0, d.log()
-
-
-def connect(daemon: Daemon, key_prefix: str, **kw: object) -> tuple[SidecarClient, torch.Tensor]:
+def connect(daemon: DaemonProcess, key_prefix: str, **kw: object) -> tuple[SidecarClient, torch.Tensor]:
     kv = shared_tensor((NUM_BLOCKS, U, 64), torch.float16)
     client = SidecarClient.connect(
         daemon.target, model="org/DataSocket", layout=EngineLayout(), num_kv_heads=1, hash_block_size=U,
@@ -53,7 +45,7 @@ def connect(daemon: Daemon, key_prefix: str, **kw: object) -> tuple[SidecarClien
     return client, kv
 
 
-def data_requests(daemon: Daemon) -> dict[str, float]:
+def data_requests(daemon: DaemonProcess) -> dict[str, float]:
     return daemon.metric_samples("kvsidecar_data_socket_requests_total", "method")
 
 
@@ -109,7 +101,7 @@ def test_saves_and_loads_travel_the_data_socket_byte_exact_and_grpc_only_clients
     assert _eventually_no_connections(daemon), "closed clients leave no connection (and no daemon thread) behind"
 
 
-def status(daemon: Daemon) -> dict:
+def status(daemon: DaemonProcess) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "kvsidecar", "status", "--socket", daemon.socket, "--json"],
         capture_output=True, text=True, timeout=60,
@@ -118,7 +110,7 @@ def status(daemon: Daemon) -> dict:
     return json.loads(out.stdout)
 
 
-def _eventually_no_connections(daemon: Daemon) -> bool:
+def _eventually_no_connections(daemon: DaemonProcess) -> bool:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if daemon.metric_samples("kvsidecar_data_socket_connections", "") == {"": 0.0}:
@@ -136,7 +128,7 @@ def rss_mib(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
-def open_session(daemon: Daemon) -> tuple[str, bytes]:
+def open_session(daemon: DaemonProcess) -> tuple[str, bytes]:
     """A session opened over gRPC with this process's ticket, as the client does: (id, side secret)."""
     import grpc
 
@@ -150,7 +142,7 @@ def open_session(daemon: Daemon) -> tuple[str, bytes]:
     return response.session_id, response.side_secret
 
 
-def raw(daemon: Daemon) -> socket.socket:
+def raw(daemon: DaemonProcess) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(30)
     sock.connect(data_socket_path(daemon.socket))
@@ -288,7 +280,7 @@ def test_connections_are_bounded_per_uid_and_a_refused_client_uses_grpc(daemon, 
 def test_another_uid_with_the_secret_is_refused(mooncake_master):
     """The secret alone is not enough: the kernel-reported uid must be the one that opened the session."""
     with throwaway_users(1, "kvds") as (user,), shared_dir("kvds-", 0o777) as d:
-        daemon = Daemon(d, master=mooncake_master.address, extra=("--socket-mode", "0666")).start()
+        daemon = DaemonProcess(d, master=mooncake_master.address, extra=("--socket-mode", "0666")).start()
         try:
             session, secret = open_session(daemon)
             probe = (
@@ -314,7 +306,7 @@ def test_another_uid_with_the_secret_is_refused(mooncake_master):
             assert daemon.stop() == 0, daemon.log()
 
 
-def hold_connections(daemon: Daemon, client: SidecarClient, kv: torch.Tensor, n: int) -> None:
+def hold_connections(daemon: DaemonProcess, client: SidecarClient, kv: torch.Tensor, n: int) -> None:
     """Make the client keep at least n data-socket connections, by loading from n threads at once."""
     hashes = chained_hashes("held", 1)
     assert client.save(hashes, [[0]], U).result(timeout=60).failed == 0
@@ -337,7 +329,7 @@ def hold_connections(daemon: Daemon, client: SidecarClient, kv: torch.Tensor, n:
 
 
 def test_a_restarted_daemon_is_reached_again_and_stopping_waits_for_nobody_idle(mooncake_master, tmp_path, key_prefix):
-    first = Daemon(tmp_path, master=mooncake_master.address).start()
+    first = DaemonProcess(tmp_path, master=mooncake_master.address).start()
     client, kv = connect(first, key_prefix)
     try:
         round_trip(client, kv, "before the restart")
@@ -345,7 +337,7 @@ def test_a_restarted_daemon_is_reached_again_and_stopping_waits_for_nobody_idle(
         started = time.monotonic()
         assert first.stop() == 0, first.log()
         assert time.monotonic() - started < 8, "an idle data-socket connection must not hold the daemon's stop"
-        second = Daemon(tmp_path, master=mooncake_master.address).start()
+        second = DaemonProcess(tmp_path, master=mooncake_master.address).start()
         try:
             # The first call finds its connection dead, drops every kept one (the same daemon's), opens one, is told
             # the session is gone, re-opens and registers again, and is sent again: one call, no error to the engine.

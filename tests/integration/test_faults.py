@@ -17,11 +17,11 @@ import torch
 
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.store import StoreCode
-from kvsidecar.testing.processes import Daemon, StorageNode
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_client import DaemonUnavailable, EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_contract.placement import Geometry, GroupSpec, Kind, Layout, block_key
+from kvsidecar_testing.processes import DaemonProcess, StorageNode
+from kvsidecar_testing.waiting import wait_until
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -33,7 +33,7 @@ def hashes(n: int, salt: int) -> list[bytes]:
     return [(salt * 1000 + i).to_bytes(32, "big") for i in range(n)]
 
 
-def metric(daemon: Daemon, line_prefix: str) -> float:
+def metric(daemon: DaemonProcess, line_prefix: str) -> float:
     body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(line_prefix)]
     return sum(values)
@@ -47,7 +47,7 @@ def own_master():
 
 
 def test_full_store_fails_saves_softly_and_keeps_serving(own_master, tmp_path):
-    daemon = Daemon(
+    daemon = DaemonProcess(
         tmp_path, allow_shm_names=True, master=own_master.address, extra=("--segment-size", "16MiB")
     ).start()
     rank = RawRank(daemon.target, open_request([group("mla", 16)], model="org/Full"), num_blocks=48, block_bytes=MiB)
@@ -77,7 +77,7 @@ def test_full_store_fails_saves_softly_and_keeps_serving(own_master, tmp_path):
 
 
 def test_a_hit_is_protected_by_its_lease_until_the_load(own_master, tmp_path, connect_mooncake, mooncake_settings):
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address).start()
+    daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=own_master.address).start()
     rank = RawRank(daemon.target, open_request([group("full_attention", 16)], model="org/Lease"), 8, 4096)
     other = connect_mooncake(mooncake_settings(own_master, global_segment_size=0))
     try:
@@ -106,7 +106,7 @@ def test_a_load_outlasts_a_master_paused_past_its_rpc_timeout(own_master, tmp_pa
     """A busy master (here a paused one) answers a load's reads after the client's RPC timeout: the load tries again
     within its deadline, and the blocks its lookup promised are served, not recomputed."""
     rpc_timeout = {"MC_RPC_TIMEOUT_MS": "1000"}  # the daemon's 5 s, shortened: the pause only has to outlast it
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address, env=rpc_timeout).start()
+    daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=own_master.address, env=rpc_timeout).start()
     rank = RawRank(daemon.target, open_request([group("full_attention", 16)], model="org/Paused"), 8, 4096)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
@@ -137,7 +137,7 @@ def test_a_load_outlasts_a_master_paused_past_its_rpc_timeout(own_master, tmp_pa
 def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_master, tmp_path):
     node = StorageNode(own_master.address, tmp_path).start()
     daemon_args = ("--segment-size", "0")  # the storage node holds the data, so it outlives the daemon
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address, extra=daemon_args).start()
+    daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=own_master.address, extra=daemon_args).start()
     kv = shared_tensor((64, 16, 512), torch.float32)  # 32 KiB blocks
     client = SidecarClient.connect(
         daemon.target, model="org/Crash", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
@@ -163,7 +163,7 @@ def test_daemon_killed_mid_save_clients_reconnect_and_old_blocks_still_hit(own_m
         with pytest.raises(DaemonUnavailable):
             client.load(early, [list(range(56, 64))], before)
 
-        daemon = Daemon(tmp_path, allow_shm_names=True, master=own_master.address, extra=daemon_args).start()
+        daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=own_master.address, extra=daemon_args).start()
         seen = []
 
         def full_hit():
@@ -195,7 +195,7 @@ RANK_SCRIPT = textwrap.dedent(
 
 
 def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address, session_ttl=3).start()
+    daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=mooncake_master.address, session_ttl=3).start()
     survivor = SidecarClient.connect(  # a live rank: its client keeps its lease
         daemon.target, model="org/Survivor", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,
         groups=[ClientGroup("mla", block_size=16)],
@@ -229,10 +229,10 @@ def test_a_killed_rank_is_released_within_its_lease(mooncake_master, tmp_path):
 
 
 def test_master_killed_during_traffic_no_wrong_bytes_and_recovery(tmp_path):
-    from kvsidecar.testing.processes import free_port
+    from kvsidecar_testing.processes import free_port
 
     master = EmbeddedMaster(rpc_port=free_port(), metrics_port=free_port()).start()
-    daemon = Daemon(tmp_path, allow_shm_names=True, master=master.address).start()
+    daemon = DaemonProcess(tmp_path, allow_shm_names=True, master=master.address).start()
     kv = shared_tensor((64, 16, 256), torch.float32)  # 16 KiB blocks: 0..31 saved from, 32..63 loaded into
     client = SidecarClient.connect(
         daemon.target, model="org/Traffic", layout=EngineLayout(), num_kv_heads=1, hash_block_size=16,

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.waiting import wait_until
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -64,17 +64,17 @@ RANK = textwrap.dedent(
 )
 
 
-def counter(daemon: Daemon, prefix: str) -> float:
+def counter(daemon: DaemonProcess, prefix: str) -> float:
     body = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(prefix))
 
 
-def rank_sessions(daemon: Daemon) -> float:
+def rank_sessions(daemon: DaemonProcess) -> float:
     return counter(daemon, 'kvsidecar_sessions{role="rank"}')
 
 
 @contextlib.contextmanager
-def rank(daemon: Daemon, name: str, path: str = "data", fork: str = "") -> Iterator[subprocess.Popen[str]]:
+def rank(daemon: DaemonProcess, name: str, path: str = "data", fork: str = "") -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", RANK, daemon.target, name, path, fork],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
@@ -120,7 +120,7 @@ def resume(proc: subprocess.Popen[str], how: str) -> None:
 def test_a_stalled_rank_keeps_its_session_past_the_lease_where_one_without_liveness_loses_it(
     mooncake_master, tmp_path, how
 ):
-    daemon = Daemon(tmp_path, master=mooncake_master.address, session_ttl=2).start()
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address, session_ttl=2).start()
     try:
         with rank(daemon, "busy") as busy, rank(daemon, "grpc-only", path="grpc") as lease_only:
             assert ask(busy) == ["True", "16", "0"]
@@ -149,7 +149,7 @@ def test_a_stalled_rank_keeps_its_session_past_the_lease_where_one_without_liven
 
 @pytest.mark.parametrize("fork", ["", "fork"], ids=["alone", "with-a-forked-child"])
 def test_a_killed_rank_is_released_at_once_not_a_lease_later(mooncake_master, tmp_path, fork):
-    daemon = Daemon(tmp_path, master=mooncake_master.address, session_ttl=600).start()
+    daemon = DaemonProcess(tmp_path, master=mooncake_master.address, session_ttl=600).start()
     try:
         with rank(daemon, "doomed", fork=fork) as doomed:
             assert rank_sessions(daemon) == 1

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from support.localusers import for_other_accounts, shared_dir, throwaway_users, why_other_accounts_cannot_run
-from support.processes import DaemonProcess
+from kvsidecar_testing.processes import DaemonProcess
+from support.localusers import for_other_accounts, other_accounts, shared_dir
 
 pytestmark = [
     pytest.mark.integration,
@@ -42,10 +42,7 @@ def good_steps() -> tuple[tuple[object, ...], ...]:
 @pytest.fixture(scope="module")
 def users():
     """Two throwaway system users, removed at the end."""
-    with throwaway_users(2, "kvsl") as made:
-        why = why_other_accounts_cannot_run(made[0])
-        if why:
-            pytest.skip(why)
+    with other_accounts(2, "kvsl") as made:
         yield made
 
 

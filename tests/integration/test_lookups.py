@@ -12,12 +12,12 @@ import grpc
 import pytest
 import torch
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_client import EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
 from kvsidecar_client.session import SessionKeeper
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import DaemonProcess
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration
@@ -26,8 +26,8 @@ U = 16
 
 
 @pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
+def daemon(mooncake_master, tmp_path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
     yield d
     assert d.stop() == 0, d.log()
 

@@ -21,9 +21,6 @@ import torch
 from kvsidecar.cli.main import main
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.events.messages import KVEventBatch
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.processes import Daemon, StorageNode, free_port
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_client import (
     DaemonProbe,
     EngineLayout,
@@ -33,6 +30,9 @@ from kvsidecar_client import (
     SidecarClient,
     shared_tensor,
 )
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.processes import DaemonProcess, StorageNode, free_port
+from kvsidecar_testing.waiting import wait_until
 from support.kv_subscriber import KvSubscriber
 
 pytestmark = pytest.mark.integration
@@ -49,7 +49,7 @@ KEEP = Retention(300)
 class Engine:
     """One rank of a hybrid engine through the client: blocks 0-3 are the prompt saved, 8-11 where a load goes."""
 
-    def __init__(self, daemon: Daemon, prefix: str = "", **kw: object) -> None:
+    def __init__(self, daemon: DaemonProcess, prefix: str = "", **kw: object) -> None:
         self.client = SidecarClient.connect(
             daemon.target, model="org/Hybrid", layout=EngineLayout(), num_kv_heads=1, hash_block_size=U,
             groups=[GroupSpec("full_attention", U), GroupSpec("mamba", U)], cache_prefix=prefix, **kw,
@@ -118,7 +118,7 @@ def removed_in(batches: list) -> set[bytes]:
     return {h for b in batches for e in b.events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes}
 
 
-def usage(daemon: Daemon) -> dict[str, tuple[int, int, int, int]]:
+def usage(daemon: DaemonProcess) -> dict[str, tuple[int, int, int, int]]:
     """Stats' retention: tenant -> (retained bytes, budget, hard-pinned bytes, values)."""
     with DaemonProbe(daemon.target) as probe:
         stats = probe.stats(30)
@@ -126,11 +126,11 @@ def usage(daemon: Daemon) -> dict[str, tuple[int, int, int, int]]:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Iterator[Daemon]:
+def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
     workdir = tmp_path_factory.mktemp("retention")
     events = ("--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}")
     replay = ("--kv-events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}")
-    d = Daemon(workdir, extra=(*FAST, "--retained-bytes", "3MiB", *events, *replay)).start()
+    d = DaemonProcess(workdir, extra=(*FAST, "--retained-bytes", "3MiB", *events, *replay)).start()
     yield d
     assert d.stop() == 0, d.log()[-3000:]
 
@@ -201,7 +201,7 @@ def test_an_operators_hard_pin_outlives_floods_until_it_is_dropped(daemon, engin
 def test_hard_pins_and_drops_are_for_operator_credentials(tmp_path):
     tenants = tmp_path / "tenants.toml"
     tenants.write_text('[tenants.eng]\nuids = [0]\nprefixes = ["eng"]\nretained_bytes = "1MiB"\n')
-    d = Daemon(tmp_path, extra=(*FAST, "--tenants", str(tenants), "--trust-local-accounts")).start()
+    d = DaemonProcess(tmp_path, extra=(*FAST, "--tenants", str(tenants), "--trust-local-accounts")).start()
     try:
         e = Engine(d, prefix="eng")
         try:
@@ -223,7 +223,7 @@ def test_retention_outlives_a_daemon_restart_where_the_store_does(tmp_path: Path
     master = EmbeddedMaster(env=mooncake_client_env.variables(), lease_ttl_ms=200).start()
     node = StorageNode(master.address, tmp_path, segment="16MB").start()
     extra = ("--segment-size", "0", "--retained-bytes", "4MiB")
-    d = Daemon(tmp_path, master=master.address, extra=extra).start()
+    d = DaemonProcess(tmp_path, master=master.address, extra=extra).start()
     try:
         e = Engine(d)
         assert e.save("system", KEEP).retained == 8

@@ -11,10 +11,10 @@ import sys
 import grpc
 import pytest
 
-from kvsidecar.testing.processes import Daemon, free_port
 from kvsidecar_client import EngineLayout, GroupSpec, PermissionDenied, SidecarClient, TcpAuth
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_testing.processes import DaemonProcess, free_port
 from support.certs import make_pki
 from support.rawrank import RawRank, group, open_request
 
@@ -34,7 +34,7 @@ def tcp_daemon(mooncake_master, tmp_path, pki):
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)
     port = free_port()
-    d = Daemon(
+    d = DaemonProcess(
         tmp_path, allow_shm_names=True,
         master=mooncake_master.address,
         extra=(
@@ -126,7 +126,7 @@ def test_tcp_never_runs_open(tmp_path, flags, reason):
 
 def test_socket_mode_and_group(mooncake_master, tmp_path):
     group_name = grp.getgrgid(os.getgid()).gr_name
-    d = Daemon(
+    d = DaemonProcess(
         tmp_path,
         allow_shm_names=True,
         master=mooncake_master.address,
@@ -142,7 +142,7 @@ def test_socket_mode_and_group(mooncake_master, tmp_path):
 
 
 def test_tenants_never_see_each_others_blocks(mooncake_master, tmp_path):
-    d = Daemon(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
+    d = DaemonProcess(tmp_path, allow_shm_names=True, master=mooncake_master.address).start()
     hashes = [bytes([7]) * 32, bytes([8]) * 32]
     a = RawRank(d.target, open_request([group("full_attention", 16)], model="org/M", prefix="tenant-a"), 4, 512)
     b = RawRank(d.target, open_request([group("full_attention", 16)], model="org/M", prefix="tenant-b"), 4, 512)

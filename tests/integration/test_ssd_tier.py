@@ -19,10 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.daemon.master import EmbeddedMaster
 from kvsidecar.rpc.servers import DISK_TIER_HEALTH
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar.tiers.records import decode, indexed_keys, segment_numbers
+from kvsidecar_testing.processes import DaemonProcess, free_port
+from kvsidecar_testing.waiting import wait_until
 from support import ssd_rank
-from support.processes import DaemonProcess, free_port
 from support.rawrank import RawRank, group, open_request
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.daemon.master import EmbeddedMaster
-from kvsidecar.testing.processes import free_port, stop_pid
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
+from kvsidecar_testing.processes import free_port, stop_pid
+from kvsidecar_testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

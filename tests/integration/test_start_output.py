@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.testing.processes import free_port, stop_pid
-from kvsidecar.testing.waiting import wait_until
+from kvsidecar_testing.processes import free_port, stop_pid
+from kvsidecar_testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """A hybrid's recurrent state across TP sizes (docs/placement.md rule 12), through a real daemon and a real master.
 
 Ranks of one TP size hold a Mamba2 + attention hybrid as vLLM 0.33 slices it (every state page built by the byte
-oracle, `kvsidecar.testing.states`, padded as vLLM pads Mamba pages to the attention page; attention heads as
+oracle, `kvsidecar_testing.states`, padded as vLLM pads Mamba pages to the attention page; attention heads as
 vLLM's CPU backend holds them), describe the state through the client (`GroupSpec.state`, the wire's
 RecurrentState) and save a prompt; ranks of another TP size look it up from their own sessions and load it: every
 byte of the state at the hit is what the reader's own rank holds there, as the oracle says, and nothing else moved.
@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvsidecar.testing.states import Mamba2
 from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest, SidecarClient, shared_tensor
-from support.processes import DaemonProcess
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.states import Mamba2
 
 pytestmark = pytest.mark.integration
 
@@ -34,17 +34,6 @@ TOKENS = 16 * BLOCKS
 
 
 WHOLE = torch.randn((2, BLOCKS, HEADS, 16, 32), generator=torch.Generator().manual_seed(5)).half()
-
-
-@pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "d", master=mooncake_master.address)
-    d.workdir.mkdir()
-    d.start()
-    try:
-        yield d
-    finally:
-        assert d.stop() == 0, d.log()
 
 
 class Rank:

@@ -23,13 +23,14 @@ def test_the_segment_is_prefaulted_in_the_background(connect_mooncake, mooncake_
     assert plain.prefault is None
 
 
-def test_a_long_existence_check_keeps_every_answer_in_place(mooncake_store, key_prefix):
+@pytest.mark.parametrize("count", [2500, 24000])  # split from 2,048 keys on: two parts, and as many as there are cores
+def test_a_long_existence_check_keeps_every_answer_in_place(mooncake_store, key_prefix, count):
     value = ctypes.create_string_buffer(8)
-    stored = [f"{key_prefix}{i}" for i in range(0, 24000, 3)]
+    stored = [f"{key_prefix}{i}" for i in range(0, count, 3)]
     for i in range(0, len(stored), 4000):
         part = stored[i : i + 4000]
         codes = mooncake_store.put_from(part, [[ctypes.addressof(value)]] * len(part), [[8]] * len(part))
         assert set(codes) == {StoreCode.OK}
-    keys = [f"{key_prefix}{i}" for i in range(24000)]  # large enough to be split across parallel calls
+    keys = [f"{key_prefix}{i}" for i in range(count)]  # large enough to be split across parallel calls
     presence = mooncake_store.exists(keys)
-    assert presence == [Presence.PRESENT if i % 3 == 0 else Presence.ABSENT for i in range(24000)]
+    assert presence == [Presence.PRESENT if i % 3 == 0 else Presence.ABSENT for i in range(count)]

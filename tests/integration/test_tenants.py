@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.localusers import for_other_accounts, shared_dir, throwaway_users, why_other_accounts_cannot_run
-from support.processes import DaemonProcess
+from kvsidecar_testing.processes import DaemonProcess
+from support.localusers import for_other_accounts, other_accounts, shared_dir
 
 pytestmark = [
     pytest.mark.integration,
@@ -34,10 +34,7 @@ ENGINE = Path(__file__).resolve().parents[1] / "support" / "tenant_engine.py"
 @pytest.fixture(scope="module")
 def users():
     """Two throwaway system users, removed at the end."""
-    with throwaway_users(2, "kvst") as made:
-        why = why_other_accounts_cannot_run(made[0])
-        if why:
-            pytest.skip(why)
+    with other_accounts(2, "kvst") as made:
         yield made
 
 

@@ -15,8 +15,8 @@ from kvsidecar_client import (
     TcpAuth,
     shared_tensor,
 )
+from kvsidecar_testing.processes import DaemonProcess, free_port
 from support.certs import _leaf, make_pki
-from support.processes import DaemonProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import torch
 
 from kvsidecar_client import EngineLayout, InvalidRequest, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
-from support.processes import DaemonProcess
+from kvsidecar_testing.processes import DaemonProcess
 
 pytestmark = pytest.mark.integration
 
@@ -24,17 +24,6 @@ BLOCKS = 4
 HASHES = [bytes([9, i]) * 16 for i in range(1, BLOCKS + 1)]  # four blocks of 16 tokens
 TOKENS = 16 * BLOCKS
 ATTENTION = [ClientGroup("full_attention", block_size=16)]
-
-
-@pytest.fixture
-def daemon(mooncake_master, tmp_path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "d", master=mooncake_master.address)
-    d.workdir.mkdir()
-    d.start()
-    try:
-        yield d
-    finally:
-        assert d.stop() == 0, d.log()
 
 
 def kv_cache(heads: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from kvsidecar_client import EngineLayout, SidecarClient, shared_tensor
 from kvsidecar_client import GroupSpec as ClientGroup
-from support.processes import DaemonProcess
+from kvsidecar_testing.processes import DaemonProcess
 
 pytestmark = pytest.mark.integration
 

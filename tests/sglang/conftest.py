@@ -19,23 +19,23 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "vllm_connector")]
 
-from sidecar_daemon import Daemon, cache_prefix  # noqa: E402,F401 (shared fixtures)
+from sidecar_daemon import SidecarDaemon, cache_prefix  # noqa: E402,F401 (shared fixtures)
 
-from kvsidecar.testing.processes import free_port  # noqa: E402
+from kvsidecar_testing.processes import free_port  # noqa: E402
 
 # The tenant of this account may open sessions under the prefixes cache_prefix makes ("t" + hex), no others.
 GRANTED = "t*"
 
 
 @pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarDaemon]:
     """One real daemon (embedded real mooncake_master) for the run, multi-tenant; tests keep apart by prefix."""
     workdir = tmp_path_factory.mktemp("kvsidecar")
     tenants = workdir / "tenants.toml"
     tenants.write_text(f'[tenants.sglang]\nuids = [{os.getuid()}]\nprefixes = ["{GRANTED}"]\n')
     events = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     extra = ("--tenants", str(tenants), "--trust-local-accounts", "--kv-events-endpoint", events[0])
-    proc = Daemon(workdir, extra=(*extra, "--kv-events-replay-endpoint", events[1])).start()
+    proc = SidecarDaemon(workdir, extra=(*extra, "--kv-events-replay-endpoint", events[1])).start()
     proc.events = events  # type: ignore[attr-defined]
     try:
         yield proc

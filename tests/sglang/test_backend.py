@@ -134,7 +134,7 @@ def test_the_daemon_refuses_sglangs_pool_memfd_itself(daemon, cache_prefix, mode
 
     from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient
     from kvsidecar_client.errors import InvalidRequest
-    from kvsidecar_client.memory import Segment, _segments, _segments_lock
+    from kvsidecar_client.memory import SharedMemory, _segments, _segments_lock
 
     pool = host_pool("mha", "page_first")
     view = pool.kv_buffer[0].unflatten(0, (pool.page_num, pool.page_size))
@@ -143,7 +143,7 @@ def test_the_daemon_refuses_sglangs_pool_memfd_itself(daemon, cache_prefix, mode
                                    cache_prefix=cache_prefix)  # fmt: skip
     base = view.untyped_storage().data_ptr()
     with _segments_lock:
-        _segments[base] = Segment("", os.fstat(pool.fd).st_size, pool.fd)
+        _segments[base] = SharedMemory("", os.fstat(pool.fd).st_size, pool.fd)
     try:
         with pytest.raises(InvalidRequest, match="not sealed against shrinking"):
             client.register([view], [(0,)])

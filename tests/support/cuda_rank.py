@@ -1,5 +1,5 @@
 """An engine rank whose KV cache is CUDA memory laid out as vLLM 0.33 allocates it (one buffer per group, every
-layer a view of it), in a process of its own (kvsidecar.testing.ranks drives it), talking to a real daemon.
+layer a view of it), in a process of its own (kvsidecar_testing.ranks drives it), talking to a real daemon.
 
 Every block holds bytes that say which group, layer and block they were written for (`pattern`), so a rank of
 another process can check a loaded block against the block it was saved from, on the GPU.

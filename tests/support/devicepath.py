@@ -23,9 +23,9 @@ from kvsidecar.movers.runtime import GpuRuntime, GpuSettings
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Store
-from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar.values import LoadArgs, RegionRequest, Role, SaveArgs, ShmHandle
 from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_testing.hashes import chained_hashes
 
 KiB = 1 << 10
 BLOCK_TOKENS = 16

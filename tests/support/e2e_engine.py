@@ -1,7 +1,7 @@
 """A simulated engine for end-to-end tests: one rank process per rank, regions filled and checked by the oracle.
 
 Each rank of the engine is a `RankProcess` holding its own real client and shared-memory tensors. The cold pass fills
-every block with what that rank truly holds (`kvsidecar.testing.oracle`), the warm pass loads into other block ids
+every block with what that rank truly holds (`kvsidecar_testing.oracle`), the warm pass loads into other block ids
 of cleared regions, and `verify` compares every block of every region with what the oracle says it must hold now.
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.testing import oracle
-from kvsidecar.testing.oracle import Prompt, RankId
-from kvsidecar.testing.processes import Daemon
-from kvsidecar.testing.ranks import RankProcess, each
 from kvsidecar_client import EngineLayout, GroupSpec, Hit, SidecarClient
 from kvsidecar_contract.placement import Layout
+from kvsidecar_testing import oracle
+from kvsidecar_testing.oracle import Prompt, RankId
+from kvsidecar_testing.processes import DaemonProcess
+from kvsidecar_testing.ranks import RankProcess, each
 
 NUM_BLOCKS = 32
 
@@ -299,7 +299,7 @@ def placements_match_oracle(engine: SimEngine) -> None:
             assert (factor, span) == want, f"{rank} group {g}: daemon says {(factor, span)}, oracle {want}"
 
 
-def saved_blocks(daemon: Daemon) -> dict[str, float]:
+def saved_blocks(daemon: DaemonProcess) -> dict[str, float]:
     """The daemon's kvsidecar_saved_blocks counter per group kind, scraped from /metrics."""
     with urllib.request.urlopen(daemon.metrics_url, timeout=5) as reply:
         text = reply.read().decode()

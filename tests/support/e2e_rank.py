@@ -1,8 +1,8 @@
-"""The commands one end-to-end engine rank serves in its own process (driven by `kvsidecar.testing.ranks`).
+"""The commands one end-to-end engine rank serves in its own process (driven by `kvsidecar_testing.ranks`).
 
 The rank is deliberately dumb: it owns shared-memory KV-cache tensors and real `SidecarClient`s, writes the
 patterns it is told to, saves, looks up and loads what it is told to, and reports block fingerprints. Deciding
-what the bytes should be is the test's job (`kvsidecar.testing.oracle`).
+what the bytes should be is the test's job (`kvsidecar_testing.oracle`).
 
 `start(workdir, name)` spawns one; `each(procs, op, args)` sends a command to several ranks at once and collects
 their answers, so their saves and loads reach the daemon concurrently, as an engine's ranks do.
@@ -10,20 +10,36 @@ their answers, so their saves and loads reach the daemon concurrently, as an eng
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.oracle import POISON, digest, pattern
-from kvsidecar.testing.ranks import RankError, RankProcess, each
+from kvsidecar_testing.oracle import POISON, digest, pattern
+from kvsidecar_testing.ranks import RankError, RankProcess, each
 
-__all__ = ["RankError", "RankProcess", "each", "start"]
+__all__ = ["RankError", "RankProcess", "each", "start", "started"]
 
 
 def start(workdir: Path, name: str) -> RankProcess:
     """Spawn a rank process (it imports torch and the client first); `wait_ready` before the first command."""
     return RankProcess(E2ERank, name=name, log_path=workdir / f"{name}.log").spawn()
+
+
+@contextlib.contextmanager
+def started(workdir: Path, count: int, meanwhile: Callable[[], object] = lambda: None) -> Iterator[list[RankProcess]]:
+    """count rank processes rank0.., ready (`meanwhile` runs while they import torch), stopped at the end."""
+    procs = [start(workdir, f"rank{i}") for i in range(count)]
+    try:
+        meanwhile()
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 class _Engine:

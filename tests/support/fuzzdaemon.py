@@ -8,14 +8,14 @@ from pathlib import Path
 
 import grpc
 
-from kvsidecar.testing.processes import Daemon
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
+from kvsidecar_testing.processes import DaemonProcess
 
 GiB = 1 << 30
 
 
-class FuzzDaemon(Daemon):
+class FuzzDaemon(DaemonProcess):
     """`kvsidecar serve` against a real master, with room to spare in the store and a lease that outlives shrinking.
 
     After start the process gets an address-space ceiling (its size then plus `headroom`): a request that makes the

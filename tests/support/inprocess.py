@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvsidecar.config import Config
+from kvsidecar.config import Config, settings_of
 from kvsidecar.daemon.process import Daemon
 
 
@@ -54,7 +54,7 @@ class InProcessDaemon:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.daemon = Daemon(self.config, store=self.store, registry=self.registry)
+        self.daemon = Daemon(settings_of(self.config), store=self.store, registry=self.registry)
         try:
             await self.daemon.start()
         except BaseException as exc:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
 
-__all__ = ["for_other_accounts", "shared_dir", "throwaway_users", "why_other_accounts_cannot_run"]
+__all__ = ["for_other_accounts", "other_accounts", "shared_dir", "throwaway_users", "why_other_accounts_cannot_run"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +45,19 @@ def throwaway_users(count: int, prefix: str) -> Iterator[list[pwd.struct_passwd]
     finally:
         for name in made:
             subprocess.run(["userdel", name], capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def other_accounts(count: int, prefix: str) -> Iterator[list[pwd.struct_passwd]]:
+    """throwaway_users that can run this checkout's engine code; the calling test skips, saying why, where they
+    cannot (a module fixture's users, shared by its tests)."""
+    import pytest
+
+    with throwaway_users(count, prefix) as made:
+        why = why_other_accounts_cannot_run(made[0])
+        if why:
+            pytest.skip(why)
+        yield made
 
 
 @contextlib.contextmanager

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from multiprocessing import resource_tracker
 from typing import Any
 
-from kvsidecar.testing.ranks import RankDied, RankError, RankProcess
 from kvsidecar_client import SidecarClient
+from kvsidecar_testing.ranks import RankDied, RankError, RankProcess
 from support.soakrank import NUM_BLOCKS, EngineDef, SoakRank
 
 MAX_TOKENS = 512
@@ -49,7 +49,7 @@ ENGINES = [ENGINE_A, ENGINE_B]
 
 
 class RankHandle(RankProcess):
-    """One rank process of the soak (driven by `kvsidecar.testing.ranks`) and the shared memory it owns."""
+    """One rank process of the soak (driven by `kvsidecar_testing.ranks`) and the shared memory it owns."""
 
     def __init__(self, target: str, engine: EngineDef, tp_rank: int) -> None:
         super().__init__(SoakRank, target, engine, tp_rank, ENGINES, name=f"soak-{engine.name}{tp_rank}")

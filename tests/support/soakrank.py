@@ -1,7 +1,7 @@
 """One engine rank of the soak, in its own OS process: real client, shared-memory KV tensors with canaries, and a
-byte-for-byte check of every block it loads against the engine-side oracle (`kvsidecar.testing.oracle`).
+byte-for-byte check of every block it loads against the engine-side oracle (`kvsidecar_testing.oracle`).
 
-The driver (`kvsidecar.testing.ranks`) sends one command at a time over a pipe and gets one reply dict back:
+The driver (`kvsidecar_testing.ranks`) sends one command at a time over a pipe and gets one reply dict back:
 
     {"op": "prefill", "hashes", "tokens", "ids"}  compute every block of the prompt into `ids`, save, wait
     {"op": "load", "hashes", "ids", "hit", "tails"}  poison `ids`, load the hit, verify every block, check canaries
@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsidecar.testing import oracle
+from kvsidecar_testing import oracle
 
 NUM_BLOCKS = 40
 

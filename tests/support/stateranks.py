@@ -1,7 +1,7 @@
 """Engines of any TP size in the test process: rank sessions over plain memory, saving and loading through the
 daemon's own DataPath into one in-memory store, every block's bytes taken from the byte oracles.
 
-What each rank's memory holds is written from the engine's side (`kvsidecar.testing.states` for recurrent state,
+What each rank's memory holds is written from the engine's side (`kvsidecar_testing.states` for recurrent state,
 whole-model elements sliced by head below for attention, the latent whole on every rank for MLA), never from the
 placement code, so a load that brings back exactly the reader's own bytes is the check of rules 11 and 12.
 """
@@ -25,9 +25,9 @@ from kvsidecar.movers.runtime import GpuRuntime, GpuSettings
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Store
 from kvsidecar.store.memory_store import MemoryStore
-from kvsidecar.testing.states import StateLayer, element
 from kvsidecar.values import LoadArgs, LookupArgs, RegionRequest, Role, SaveArgs
 from kvsidecar_contract.placement import Geometry, GroupSpec, Hit, Kind, Layout, Parallel
+from kvsidecar_testing.states import StateLayer, element
 
 POISON = 0xA5
 NUM_BLOCKS = 8

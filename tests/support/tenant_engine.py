@@ -42,7 +42,7 @@ import torch
 
 from kvsidecar_client import EngineLayout, GroupSpec, SidecarClient, SidecarError, shared_tensor
 from kvsidecar_client import memory as client_memory
-from kvsidecar_client.memory import Segment, segment_of
+from kvsidecar_client.memory import SharedMemory, segment_of
 from kvsidecar_contract.limits import MAX_MEMFDS
 from kvsidecar_contract.paths import side_socket_path
 
@@ -194,7 +194,7 @@ class Engine:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         # The good tensor's storage now claims to live in the crafted memfd: the daemon maps that one.
         base = self.kv.untyped_storage().data_ptr()
-        client_memory._segments[base] = Segment("", size, fd)
+        client_memory._segments[base] = SharedMemory("", size, fd)
         return self.open(prefix)
 
     def punch(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""The daemon these tests run against: `kvsidecar.testing`'s, run by the main venv's interpreter.
+"""The daemon these tests run against: `kvsidecar_testing`'s, run by the main venv's interpreter.
 
 vLLM's venv has only the client and the contract, so the daemon process runs from the main venv (scripts/setup.sh)
-and only `kvsidecar.testing`, which needs nothing but the standard library, is imported here from the checkout.
+and only `kvsidecar_testing`'s processes, which need nothing but the standard library, are imported here from the
+checkout (testing/).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _folder in (REPO, REPO / "testing"):  # kvsidecar (for its version) and kvsidecar_testing, from the checkout
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
-from kvsidecar.testing import processes  # noqa: E402
-from kvsidecar.testing.mooncake_env import MooncakeEnv  # noqa: E402
+from kvsidecar_testing import processes  # noqa: E402
+from kvsidecar_testing.mooncake_env import MooncakeEnv  # noqa: E402
 
-__all__ = ["Daemon", "daemon_python"]
+__all__ = ["SidecarDaemon", "daemon_python"]
 
 STATUS_TRIES = 3
 
@@ -33,7 +35,7 @@ def daemon_python() -> Path:
     return Path(os.environ.get("KVSIDECAR_PYTHON", str(REPO / ".venv" / "bin" / "python")))
 
 
-class Daemon(processes.Daemon):
+class SidecarDaemon(processes.DaemonProcess):
     """`kvsidecar serve` with an embedded mooncake_master, on a socket in workdir, run by the main venv."""
 
     def __init__(self, workdir: Path, extra: Sequence[str] = (), *, segment_size: str = "64MiB") -> None:
@@ -95,9 +97,9 @@ class Daemon(processes.Daemon):
 
 
 @pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarDaemon]:
     """One real daemon (embedded real mooncake_master) for the run; tests keep apart by their own cache_prefix."""
-    proc = Daemon(tmp_path_factory.mktemp("kvsidecar")).start()
+    proc = SidecarDaemon(tmp_path_factory.mktemp("kvsidecar")).start()
     try:
         yield proc
     finally:

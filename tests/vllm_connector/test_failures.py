@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
 
-from sidecar_daemon import Daemon
+from sidecar_daemon import SidecarDaemon
 from sidecar_engine import BLOCK, LAYOUTS, Engine, kv_cache_config, vllm_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -118,7 +118,7 @@ def test_hybrid_failed_load_recomputes_the_request(vllm_env, tiny_model, daemon,
 
 
 def test_daemon_gone_before_the_load_recomputes_every_block(vllm_env, tiny_model, tmp_path, cache_prefix):
-    own = Daemon(tmp_path).start()
+    own = SidecarDaemon(tmp_path).start()
     try:
         save_prompt(tiny_model, own.target, cache_prefix, "full")
         warm = engine(tiny_model, own.target, cache_prefix, "full")

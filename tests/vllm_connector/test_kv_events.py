@@ -10,12 +10,12 @@ import pytest
 pytest.importorskip("vllm.config", reason="vLLM is not installed: run scripts/setup-vllm.sh and use .venv-vllm")
 
 from msgspec.msgpack import Decoder
-from sidecar_daemon import Daemon
+from sidecar_daemon import SidecarDaemon
 from sidecar_engine import BLOCK, LAYOUTS, Engine, kv_cache_config, vllm_config
 from test_failures import key
 from vllm.distributed.kv_events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from kvsidecar.testing.processes import free_port
+from kvsidecar_testing.processes import free_port
 from support.kv_subscriber import KvSubscriber, stored_hashes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -30,7 +30,7 @@ def events_daemon(tmp_path_factory):
     """A daemon publishing KV events on loopback, with replay; the sweep looks every second."""
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     extra = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay, "--kv-events-topic", TOPIC]
-    proc = Daemon(tmp_path_factory.mktemp("kvsidecar-events"), extra=extra).start()
+    proc = SidecarDaemon(tmp_path_factory.mktemp("kvsidecar-events"), extra=extra).start()
     proc.endpoints = (pub, replay)
     try:
         yield proc

@@ -35,8 +35,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm_alloc import allocate, plan
 
+from kvsidecar_client.descriptions import dense_pieces
 from kvsidecar_client.errors import InvalidRequest
-from kvsidecar_client.memory import dense_pieces
 from kvsidecar_client.results import SessionInfo
 from kvsidecar_client.vllm import KVSidecarConnector
 from kvsidecar_client.vllm.metadata import KVSidecarMetadata, LoadSpec, SaveSpec

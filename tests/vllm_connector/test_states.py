@@ -4,7 +4,7 @@ against the MambaSpec vLLM's own model code gives a rank of each TP size, and re
 The specs come from vLLM 0.33's model classes (`get_mamba_state_shape_from_config`, `..._dtype_from_config`) over
 the config classes vLLM loads (transformers' GraniteMoeHybrid, FalconH1, NemotronH and Qwen3-Next configs, vLLM's
 Kimi-Linear config), in vLLM's default conv layout and in "DS"; what the connector describes must be the same at
-every TP size and equal to what the byte oracle (kvsidecar.testing.states) slices as vLLM does.
+every TP size and equal to what the byte oracle (kvsidecar_testing.states) slices as vLLM does.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def test_the_state_described_from_the_config_is_the_one_vllm_allocates_at_every_
 
 
 def test_the_descriptions_are_the_byte_oracles_layers(dim_first):
-    from kvsidecar.testing.states import GatedDeltaNet, Kda, Mamba2
+    from kvsidecar_testing.states import GatedDeltaNet, Kda, Mamba2
 
     def described(name: str) -> RecurrentState | None:
         return describe_state(vllm_spec(name, 1), CONFIGS[name][0], 1)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.testing.processes import free_port
+from kvsidecar_testing.processes import free_port
 
 START_TIMEOUT_S = 240.0
 

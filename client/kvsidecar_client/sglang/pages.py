@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvsidecar_client.descriptions import region_geometry
 from kvsidecar_client.errors import InvalidRequest
-from kvsidecar_client.memory import region_geometry
 from kvsidecar_client.vllm.identity import weights_sample
 
 if TYPE_CHECKING:

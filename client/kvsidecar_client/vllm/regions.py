@@ -3,7 +3,7 @@
 The daemon stores a block's value as its slices of every region of the group, in registration order, so the
 order is part of the stored format: group order (the session's), then the layer order vLLM lists for the group,
 then the parts of one layer (K before V for a split attention cache; a recurrent layer's state tensors in vLLM's
-order), then each part's dense pieces (`memory.dense_pieces`: one for vLLM's LBHNC, LBNHC, BLHNC and BLNHC views,
+order), then each part's dense pieces (`descriptions.dense_pieces`: one for vLLM's LBHNC, LBNHC, BLHNC and BLNHC views,
 one per head, in head order, for LHBNC and BHLNC; padding at a page's end is never part of a piece). Ranks that
 hold byte-identical groups must produce byte-identical values, and they do because vLLM gives every rank the same
 layer names in the same order. The order is versioned (REGION_ORDER, part of the value identity).

@@ -16,7 +16,7 @@ from kvsidecar_contract.placement.spans import first_needed_block
 MAX_PROBE_KEYS = 2_000_000  # one lookup's keys: a 1M-token prompt at U=16 and T=8 with three groups is ~1.1M
 
 
-class Segment(NamedTuple):
+class ProbeRun(NamedTuple):
     """A run of probe keys: one group's probed hash indices, repeated for each of its namespaces."""
 
     group: int
@@ -28,7 +28,7 @@ class LookupPlan(NamedTuple):
     """Every key one lookup probes, in one flat list for a single batch existence check."""
 
     keys: list[str]
-    segments: tuple[Segment, ...]
+    runs: tuple[ProbeRun, ...]
     num_hashes: int
 
     def stored(self, present: Sequence[bool]) -> list[list[bool]]:
@@ -37,14 +37,14 @@ class LookupPlan(NamedTuple):
             raise InvalidRequest(f"expected {len(self.keys)} probe results, got {len(present)}")
         out: list[list[bool]] = []
         pos = 0
-        for seg in self.segments:
-            m = len(seg.hashes)
-            runs = [present[pos + ns * m : pos + (ns + 1) * m] for ns in range(seg.namespaces)]
-            pos += m * seg.namespaces
+        for run in self.runs:
+            m = len(run.hashes)
+            spaces = [present[pos + ns * m : pos + (ns + 1) * m] for ns in range(run.namespaces)]
+            pos += m * run.namespaces
             # map/zip/all run in C: a 128k-token lookup at T=8 folds ~140k probes here.
-            quorum = list(map(bool, runs[0])) if len(runs) == 1 else list(map(all, zip(*runs, strict=True)))
+            quorum = list(map(bool, spaces[0])) if len(spaces) == 1 else list(map(all, zip(*spaces, strict=True)))
             row = [False] * self.num_hashes
-            row[seg.hashes.start : seg.hashes.stop : seg.hashes.step] = quorum
+            row[run.hashes.start : run.hashes.stop : run.hashes.step] = quorum
             out.append(row)
         return out
 
@@ -61,14 +61,14 @@ def lookup_plan(geo: Geometry, block_hashes: Sequence[bytes], num_tokens: int) -
     n = check_probe_count(geo, len(block_hashes), num_tokens)
     suffixes = hash_suffixes(block_hashes[:n])
     keys: list[str] = []
-    segments = []
+    runs = []
     for group in geo.groups:
         probed = geo.probed_boundaries(group, n)
         sub = suffixes if probed.step == 1 else suffixes[probed.start :: probed.step]
         for prefix in group.lookup_prefixes:
             keys += map(prefix.__add__, sub)
-        segments.append(Segment(group.index, probed, group.keys_per_boundary))
-    return LookupPlan(keys, tuple(segments), n)
+        runs.append(ProbeRun(group.index, probed, group.keys_per_boundary))
+    return LookupPlan(keys, tuple(runs), n)
 
 
 def check_probe_count(geo: Geometry, num_hashes: int, num_tokens: int) -> int:

@@ -49,8 +49,8 @@ def test_every_public_name_is_exported_and_defined_in_the_package():
     public = {name for name in dir(kvsidecar_client) if not name.startswith("_")}
     # Submodules appear once imported (vllm and sglang among them: their pure modules are tested without either).
     modules = {
-        "allocation", "batch", "client", "deadlines", "errors", "jobs", "layout", "memory", "probe", "proto",
-        "remapping", "results", "retention", "saves", "session", "sglang", "vllm",
+        "allocation", "batch", "client", "deadlines", "descriptions", "errors", "jobs", "layout", "memory", "probe",
+        "proto", "remapping", "results", "retention", "saves", "session", "sglang", "vllm",
     }  # fmt: skip
     assert public - modules == set(PUBLIC)
     assert all(isinstance(getattr(kvsidecar_client, name), types.ModuleType) for name in public & modules)

@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from kvsidecar_client import InvalidRequest, shared_tensor
-from kvsidecar_client.memory import (
-    SHM_DIR,
+from kvsidecar_client.descriptions import (
     cuda_ipc_handle,
     dense_pieces,
     describe_region,
     describe_regions,
     region_geometry,
-    segment_of,
 )
+from kvsidecar_client.memory import SHM_DIR, segment_of
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 

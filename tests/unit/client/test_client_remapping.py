@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvsidecar_client import shared_tensor
-from kvsidecar_client.memory import describe_region, segment_of
+from kvsidecar_client.descriptions import describe_region
+from kvsidecar_client.memory import segment_of
 from kvsidecar_client.remapping import PAGE, NotRemappable, check_own_pages, remap, vmas
 
 SIZE = 10 * PAGE + 24  # not whole pages: the last one is the allocation's, as an mmap's always is

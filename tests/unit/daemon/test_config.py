@@ -4,8 +4,10 @@ import argparse
 
 import pytest
 
-from kvsidecar.config import Config, add_flags, default_socket_path, from_args, parse_size
+from kvsidecar.config import Config, add_flags, from_args
 from kvsidecar.errors import ConfigError
+from kvsidecar.parsing import parse_size
+from kvsidecar_contract.paths import default_socket_path
 
 
 def parse(*argv: str) -> Config:

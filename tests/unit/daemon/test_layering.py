@@ -107,10 +107,10 @@ def test_module_imports_only_what_its_room_declares(path):
 
 
 def test_only_the_serving_rooms_import_grpc():
-    # The rule the issue states, read off the declarations: a room that declares grpc is rpc/, daemon/, cli/ or
-    # testing/ (which drives real processes); only store/ touches Mooncake.
+    # The rule the issue states, read off the declarations: a room that declares grpc is rpc/, daemon/ or cli/; only
+    # store/ touches Mooncake.
     grpc_rooms = {name for name, path in rooms().items() if "grpc" in declared(path)[1]}
-    assert grpc_rooms == {"rpc", "daemon", "cli", "testing"}
+    assert grpc_rooms == {"rpc", "daemon", "cli"}
     assert {name for name, path in rooms().items() if "mooncake" in declared(path)[1]} == {"store"}
 
 
@@ -132,31 +132,21 @@ def test_rooms_form_no_cycle_at_module_level():
         visit(name, [])
 
 
-# Config is every flag; a part is told only its own settings, cut from Config in one place (daemon/settings.py) for
-# the daemon that holds them (daemon/process.py). cli/serve.py builds the Config from the command line.
-CONFIG_READERS = {"daemon/settings.py", "daemon/process.py"}
+# Configuration sits at the top of the house: config/ reads the flags and the file, takes each default and parser
+# from the part it configures, and cuts Config into each part's settings (config/cut.py). Only the command line
+# (cli/serve.py) imports it: no part below it reads a flag.
+CONFIG_IMPORTERS = {"cli"}
 
 
-def _imports_config(node: ast.AST) -> bool:
-    if isinstance(node, ast.Import):
-        return any(a.name == "kvsidecar.config" for a in node.names)
-    if not isinstance(node, ast.ImportFrom):
-        return False
-    names = {a.name for a in node.names}
-    return (node.module == "kvsidecar.config" and bool(names & {"Config", "*"})) or (
-        node.module == "kvsidecar" and "config" in names
-    )
-
-
-def test_only_the_settings_cut_and_the_process_import_config():
-    readers = {
-        str(path.relative_to(PACKAGE))
+def test_configuration_sits_at_the_top():
+    importers = {
+        room_of(path)
         for path in PACKAGE.rglob("*.py")
-        if path != PACKAGE / "config.py"
-        # Type-checking imports count too: a part that names Config in its signature takes all of it.
-        and any(_imports_config(node) for node in ast.walk(ast.parse(path.read_text())))
+        if room_of(path) != "config" and any(m.split(".")[:2] == ["kvsidecar", "config"] for m in imports(path))
     }
-    assert readers == CONFIG_READERS
+    assert importers == CONFIG_IMPORTERS
+    below_config = {name for name, path in rooms().items() if "config" in declared(path)[0]}
+    assert below_config == CONFIG_IMPORTERS
 
 
 def test_the_two_ways_in_read_the_method_table_not_each_other():

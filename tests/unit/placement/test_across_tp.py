@@ -1,7 +1,7 @@
 """Rule 11: one cache across TP sizes, checked over T in {1,2,4,8} x H in {1,2,8} x every kind.
 
 Writers of one TP size save a prompt; readers of another TP size look it up and load it. What each value holds is
-taken from the byte oracle (kvsidecar.testing.oracle.member_bytes: which heads, which latent, which state shard a
+taken from the byte oracle (kvsidecar_testing.oracle.member_bytes: which heads, which latent, which state shard a
 rank holds), never from the placement code, so the check is: every key a reader loads was written, by exactly one
 writer rank, with exactly the bytes the reader's own rank would hold there; a group that cannot be shared is a miss
 for another TP size, never another layout's bytes.
@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.testing.oracle import member_bytes
 from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
@@ -29,6 +28,7 @@ from kvsidecar_contract.placement import (
     lookup_plan,
     save_plan,
 )
+from kvsidecar_testing.oracle import member_bytes
 from support.ranks import all_ranks
 
 TPS = (1, 2, 4, 8)

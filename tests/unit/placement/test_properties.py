@@ -1,6 +1,6 @@
 """Hypothesis properties of the placement core, against independent models.
 
-- the byte-identity oracle (kvsidecar/testing/oracle.py): who holds identical bytes;
+- the byte-identity oracle (testing/kvsidecar_testing/oracle.py): who holds identical bytes;
 - a brute-force reading of rule 8 (below): which lengths a stored set can serve.
 """
 
@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.testing.oracle import group_bytes
 from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
@@ -27,6 +26,7 @@ from kvsidecar_contract.placement import (
     save_plan,
     save_spans,
 )
+from kvsidecar_testing.oracle import group_bytes
 from support.ranks import all_ranks
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -2,7 +2,7 @@
 
 Exact slices and keys (the value format), what the value id covers, refusals with their reasons, the quorum and
 the striping of pieces several ranks hold, and a hypothesis property over random hybrids: gathered by the cut from
-each rank's page as the byte oracle builds it from vLLM's slicing (kvsidecar.testing.states), a piece's bytes are
+each rank's page as the byte oracle builds it from vLLM's slicing (kvsidecar_testing.states), a piece's bytes are
 the same whichever TP size wrote it, every key a reader loads was written, and by exactly one rank.
 """
 
@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.testing.states import GatedDeltaNet, Kda, Mamba2
 from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
@@ -34,6 +33,7 @@ from kvsidecar_contract.placement import (
     mamba2_state,
     save_plan,
 )
+from kvsidecar_testing.states import GatedDeltaNet, Kda, Mamba2
 
 H = [bytes([i + 1]) * 32 for i in range(4)]
 SMALL = Mamba2(4, 2, 1, 2, conv_bytes=2, ssm_bytes=4)  # 4 heads of 2, one group of state 2, conv window 3

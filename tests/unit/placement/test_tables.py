@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from kvsidecar.testing.oracle import group_bytes
 from kvsidecar_contract.placement import Geometry, GroupSpec, InvalidLayout, Kind, Layout, Parallel, replication_factor
+from kvsidecar_testing.oracle import group_bytes
 from support.ranks import rank_layout
 
 TPS = (1, 2, 4, 8, 16)

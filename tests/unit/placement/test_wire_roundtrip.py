@@ -152,7 +152,7 @@ def test_the_clients_session_sends_the_contracts_message(layout: Layout) -> None
 
 
 def vars_of(spec: SessionSpec) -> dict[str, object]:
-    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
 
 
 def test_the_clients_values_are_the_contracts() -> None:

@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvsidecar.cli import bench
+import pytest
+
+from kvsidecar.cli import handover
 from kvsidecar.config import Config
 
 KVSIDECAR = str(Path(sys.executable).with_name("kvsidecar"))
@@ -111,16 +113,18 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly():
     assert (out.returncode, out.stderr) == (141, "")
 
 
-def test_bench_runs_the_benchs_own_command_and_the_daemons_never_imports_it(tmp_path):
-    package = Path(bench.__file__).parents[1]
-    assert [p for p in package.rglob("*.py") if "kvsidecar_bench" in p.read_text()] == []
-    out = kvsidecar("bench", "--help")  # the bench's own help: the daemon's command became kvsidecar-bench
-    assert out.returncode == 0 and out.stdout.startswith("usage: kvsidecar bench"), out.stdout + out.stderr
-    assert bench.find(str(tmp_path), str(tmp_path)) is None  # neither beside the interpreter nor on PATH
-    fake = tmp_path / "kvsidecar-bench"
+@pytest.mark.parametrize(("command", "package"), [("bench", "kvsidecar_bench"), ("demo", "kvsidecar_testing")])
+def test_bench_and_demo_run_their_tools_own_commands_and_the_daemon_never_imports_them(tmp_path, command, package):
+    daemon = Path(handover.__file__).parents[1]
+    assert [p for p in daemon.rglob("*.py") if package in p.read_text()] == []
+    out = kvsidecar(command, "--help")  # the tool's own help: the daemon's command became the tool's
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: kvsidecar {command}"), out.stdout + out.stderr
+    script = f"kvsidecar-{command}"
+    assert handover.find(script, str(tmp_path), str(tmp_path)) is None  # neither beside the interpreter nor on PATH
+    fake = tmp_path / script
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    assert bench.find(str(tmp_path / "bin"), str(tmp_path)) == str(fake)
+    assert handover.find(script, str(tmp_path / "bin"), str(tmp_path)) == str(fake)
 
 
 def test_status_without_a_daemon_says_so_in_one_line_and_how_to_start_one(tmp_path):

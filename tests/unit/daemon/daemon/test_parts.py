@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvsidecar.config import Config
+from kvsidecar.config import Config, settings_of
 from kvsidecar.daemon.parts import build_data_path, build_service, build_sessions, open_tenancy
-from kvsidecar.daemon.settings import settings_of
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest, DaemonError, Exhausted
 from kvsidecar.metrics import Metrics
@@ -20,9 +19,9 @@ from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
-from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar.values import LookupArgs, Role, SaveArgs
 from kvsidecar_contract.placement import Chunk, Geometry
+from kvsidecar_testing.hashes import chained_hashes
 from support.stateranks import Attention, Latent, Model, Rank
 
 

@@ -7,9 +7,8 @@ import socket
 
 import pytest
 
-from kvsidecar.config import Config
+from kvsidecar.config import Config, settings_of
 from kvsidecar.daemon.preflight import preflight
-from kvsidecar.daemon.settings import settings_of
 from kvsidecar.errors import ConfigError, DaemonError
 
 

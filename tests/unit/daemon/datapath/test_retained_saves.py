@@ -15,10 +15,10 @@ from kvsidecar.sessions.session import Session
 from kvsidecar.store import Pin, StoreCode
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.retention import RetentionLedger, Usage
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.states import Mamba2
 from kvsidecar.values import LoadArgs, RetentionArgs, SaveArgs
 from kvsidecar_contract.placement import save_plan
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.states import Mamba2
 from support.stateranks import Attention, Model, Rank
 
 ATTENTION = Model((Attention(),), kv_heads=2, layers=1)

@@ -2,7 +2,7 @@
 
 Writer ranks of TP Tw hold what vLLM 0.33 gives each rank of a hybrid (full attention, MLA and one recurrent layer
 kind: Mamba2 with n_groups below, equal to and above T, gated delta net, KDA; conv state in both of vLLM's
-layouts), as the byte oracle slices it from the whole model (kvsidecar.testing.states). They save a prompt through
+layouts), as the byte oracle slices it from the whole model (kvsidecar_testing.states). They save a prompt through
 DataPath into one in-memory store; reader ranks of TP Tr look it up and load it into fresh memory. Every reader rank
 must get exactly its own bytes in every block it needs, and nothing else touched; every value must be written once.
 """
@@ -13,8 +13,8 @@ import itertools
 
 import pytest
 
-from kvsidecar.testing.hashes import chained_hashes
-from kvsidecar.testing.states import GatedDeltaNet, Kda, Mamba2, StateLayer
+from kvsidecar_testing.hashes import chained_hashes
+from kvsidecar_testing.states import GatedDeltaNet, Kda, Mamba2, StateLayer
 from support.stateranks import Attention, Engines, Latent, Model
 
 TPS = (1, 2, 4, 8)

@@ -23,9 +23,9 @@ from kvsidecar.reasons import Reason
 from kvsidecar.store import StoreCode
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.budget import WriteBudget
-from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar.values import Failure, LoadArgs, LookupArgs, SaveArgs, SaveOutcome
 from kvsidecar_contract.placement import save_plan
+from kvsidecar_testing.hashes import chained_hashes
 from support.stateranks import Attention, Model, Rank
 
 MODEL = Model((Attention(),), kv_heads=2, layers=1)

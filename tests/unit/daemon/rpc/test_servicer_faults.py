@@ -8,8 +8,8 @@ import pytest
 
 from kvsidecar.store import StoreCode
 from kvsidecar.store.base import StoreUnavailable
-from kvsidecar.testing.waiting import wait_until
 from kvsidecar_contract.proto import sidecar_pb2 as pb
+from kvsidecar_testing.waiting import wait_until
 from support.inprocess import InProcessDaemon
 from support.rawrank import RawRank, group, open_request
 

@@ -18,10 +18,10 @@ from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.live import Tenancy
-from kvsidecar.testing.states import GatedDeltaNet, Kda, Mamba2
 from kvsidecar_contract.placement import InvalidLayout, RecurrentState
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.state_wire import state_from_message, state_to_message
+from kvsidecar_testing.states import GatedDeltaNet, Kda, Mamba2
 from support.rawrank import group, open_request
 
 STATES = [

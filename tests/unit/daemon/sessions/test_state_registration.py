@@ -15,9 +15,9 @@ from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.live import Grant
 from kvsidecar.tenancy.table import SINGLE_TENANT
-from kvsidecar.testing.states import Mamba2
 from kvsidecar.values import RegionRequest, Role, ShmHandle
 from kvsidecar_contract.placement import GroupSpec, Kind, Layout, Parallel
+from kvsidecar_testing.states import Mamba2
 
 LAYER = Mamba2(8, 2, 1, 2)
 LAYERS, BLOCKS, PADDING = 3, 4, 16

@@ -216,7 +216,7 @@ def test_the_oldest_file_goes_first_when_the_tier_is_full(tmp_path, direct, capl
     # 4 MiB, in files of 1 MiB: 4 values each; 40 values written, the last 12-16 fit.
     engine = open_engine(tmp_path, direct, capacity=4 * MiB, file_size=1 * MiB)
     try:
-        with caplog.at_level(logging.INFO, logger="kvsidecar.tiers.engine"):
+        with caplog.at_level(logging.INFO, logger="kvsidecar.tiers"):
             for i in range(40):
                 assert put(engine, f"k{i}", pattern(f"v{i}"))
                 engine.flush(60)

@@ -23,8 +23,8 @@ import hashlib
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvsidecar.testing.hashes import chained_hashes
 from kvsidecar_contract.placement import GroupSpec, Kind, Layout
+from kvsidecar_testing.hashes import chained_hashes
 
 if TYPE_CHECKING:
     from kvsidecar_contract.proto import sidecar_pb2 as pb

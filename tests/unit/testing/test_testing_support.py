@@ -1,4 +1,4 @@
-"""kvsidecar.testing's own parts: waits run on the clock they are given, the Mooncake environment is private."""
+"""kvsidecar_testing's own parts: waits run on the clock they are given, the Mooncake environment is private."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from kvsidecar.testing.mooncake_env import CLIENT_ENV, MooncakeEnv
-from kvsidecar.testing.processes import Daemon, ProcessError
-from kvsidecar.testing.waiting import Backoff, WaitTimeout, wait_until
+from kvsidecar_testing.mooncake_env import CLIENT_ENV, MooncakeEnv
+from kvsidecar_testing.processes import DaemonProcess, ProcessError
+from kvsidecar_testing.waiting import Backoff, WaitTimeout, wait_until
 
 
 class FakeClock:
@@ -48,7 +48,7 @@ def test_a_daemon_that_never_gets_ready_times_out_on_its_clock_and_is_stopped_by
     never_ready.write_text("#!/bin/sh\nexec sleep 60\n")
     never_ready.chmod(0o755)
     clock = FakeClock()
-    daemon = Daemon(tmp_path, python=never_ready, clock=clock, backoff=Backoff(0.001, 2, 1))
+    daemon = DaemonProcess(tmp_path, python=never_ready, clock=clock, backoff=Backoff(0.001, 2, 1))
     started = time.monotonic()
     with pytest.raises(WaitTimeout, match="daemon ready"):
         daemon.start(timeout=30)
@@ -63,7 +63,7 @@ def test_a_daemon_that_exits_at_start_reports_its_log(tmp_path):
     failing.write_text("#!/bin/sh\necho 'no such flag' >&2\nexit 3\n")
     failing.chmod(0o755)
     with pytest.raises(ProcessError, match=r"exited with 3:\nno such flag"):
-        Daemon(tmp_path, python=failing).start()
+        DaemonProcess(tmp_path, python=failing).start()
 
 
 def test_mooncake_env_is_private_and_removed_with_what_was_left():

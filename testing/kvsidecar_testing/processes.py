@@ -18,10 +18,10 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvsidecar.testing.mooncake_env import MooncakeEnv
-from kvsidecar.testing.waiting import DEFAULT_BACKOFF, SYSTEM_CLOCK, Backoff, Clock, wait_until
+from kvsidecar_testing.mooncake_env import MooncakeEnv
+from kvsidecar_testing.waiting import DEFAULT_BACKOFF, SYSTEM_CLOCK, Backoff, Clock, wait_until
 
-__all__ = ["LOOPBACK", "Daemon", "ProcessError", "StorageNode", "free_port", "stop_pid"]
+__all__ = ["LOOPBACK", "DaemonProcess", "ProcessError", "StorageNode", "free_port", "stop_pid"]
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 60.0
@@ -57,7 +57,7 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-class Daemon:
+class DaemonProcess:
     """`kvsidecar serve` in its own process, on a socket in `workdir` and a free metrics port; stopped by PID.
 
     `python` is the interpreter that has the daemon installed (the vLLM suite's venv has only the client, so it
@@ -154,7 +154,7 @@ class Daemon:
             args += ["--allow-shm-names"]
         return args + list(self.extra)
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> Daemon:
+    def start(self, timeout: float = START_TIMEOUT_S) -> DaemonProcess:
         """Start the daemon and wait until it says it is ready (or, with a NOTIFY_SOCKET of the caller's, serves)."""
         if self.mooncake is None:
             self.mooncake = MooncakeEnv(self.workdir)
