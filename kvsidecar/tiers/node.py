@@ -65,7 +65,7 @@ class DiskTierNode:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         r = self.engine.recovery
         self.note = (
-            f"disk tier {self.directory}: recovered {r.blocks} of {r.blocks} blocks on disk "
+            f"disk tier {self.directory}: recovered {r.blocks} block{'' if r.blocks == 1 else 's'} on disk "
             f"({r.bytes / MiB:.1f} MiB in {r.files} file{'' if r.files == 1 else 's'}, {r.seconds:.2f} s"
             + (f"; {r.cut_tails} torn index tail{'' if r.cut_tails == 1 else 's'} cut)" if r.cut_tails else ")")
         )

@@ -361,6 +361,36 @@ def test_a_filesystem_with_no_room_skips_every_write_and_counts_it_and_says_so_o
             engine.close()
 
 
+def test_removals_the_full_filesystem_would_not_record_are_never_served_again_after_a_restart(tmp_path):
+    # Every removal record past what the index file's last page holds meets ENOSPC: a removal that is not on disk
+    # would bring its value back at the next start (a save revoked past its deadline holds bytes nobody may read).
+    small = 4 << 10
+    keys = [f"k{i:03d}" for i in range(200)]
+    with small_tmpfs(tmp_path / "fs", "8m") as fs:
+        engine = open_engine(fs, False)
+        try:
+            for key in keys:
+                put(engine, key, pattern(key, small))
+            engine.flush(60)
+            assert engine.contains(keys) == [True] * len(keys)
+            with open(fs / "filler", "wb") as filler, contextlib.suppress(OSError):  # the rest of the filesystem
+                while True:
+                    filler.write(b"\0" * (64 << 10))
+                    filler.flush()
+            engine.remove(keys)
+            engine.flush(60)
+            assert engine.contains(keys) == [False] * len(keys)
+        finally:
+            engine.close()
+        (fs / "filler").unlink()
+        engine = open_engine(fs, False)
+        try:
+            served = [key for key in keys if get(engine, key, small)[0] is ReadResult.OK]
+            assert served == [], f"{len(served)} removed values served after the restart"
+        finally:
+            engine.close()
+
+
 def test_a_key_written_removed_and_written_again_counts_once_after_recovery(tmp_path):
     engine = open_engine(tmp_path, False)
     put(engine, "k", pattern("first"))
