@@ -111,7 +111,7 @@ class DiskTierNode:
         m.disk_corrupt_reads.inc(now.corrupt_reads - seen.corrupt_reads)
         m.disk_evicted_blocks.inc(now.evicted_blocks - seen.evicted_blocks)
         m.disk_evicted_bytes.inc(now.evicted_bytes - seen.evicted_bytes)
-        m.disk_writing.set(0 if self.engine.writing() else 1)
+        m.disk_writing.set(0 if self.engine.not_writing() else 1)
         for reason, count in (now.skipped - seen.skipped).items():
             m.disk_skipped_writes.labels(reason).inc(count)
         m.disk_queued_bytes.set(now.queued_bytes)

@@ -341,8 +341,8 @@ def test_a_filesystem_with_no_room_skips_every_write_and_counts_it_and_says_so_o
                 assert engine.snapshot().skipped["no_space"] == 3
                 assert engine.contains(["k0", "k1", "k2"]) == [False] * 3
                 assert get(engine, "k0")[0] is ReadResult.MISSING
-                assert engine.writing().startswith("disk tier NOT WRITING for ")
-                assert "the filesystem is full (No space left on device) (3 values not written)" in engine.writing()
+                assert engine.not_writing().startswith("disk tier NOT WRITING for ")
+                assert "the filesystem is full (No space left on device) (3 values not written)" in engine.not_writing()
                 # Room again: the next write lands (a new file is tried once a second meanwhile).
                 subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)
                 deadline = time.monotonic() + 60
@@ -351,7 +351,7 @@ def test_a_filesystem_with_no_room_skips_every_write_and_counts_it_and_says_so_o
                     assert put(engine, f"k{i}", pattern(f"v{i}"))
                     engine.flush(60)
                     i += 1
-                assert engine.contains([f"k{i - 1}"]) == [True] and engine.writing() == ""
+                assert engine.contains([f"k{i - 1}"]) == [True] and engine.not_writing() == ""
             said = [r.getMessage() for r in caplog.records if r.name == "kvsidecar"]
             assert len(said) == 2, said  # one line when it stops writing, one when it writes again
             assert said[0].startswith(f"disk tier {fs}: not writing: the filesystem is full (No space left on device);")
