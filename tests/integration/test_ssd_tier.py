@@ -38,8 +38,10 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def ssd_daemon(workdir: Path, ssd_dir: Path, *, master: str = "", queue: str = "64MiB") -> DaemonProcess:
-    # The write queue holds everything the test saves, so no value is skipped however slow the disk is today.
+    # The write queue holds everything the test saves, so no value is skipped however slow the disk is today. No
+    # checksum trailers: the tier's byte counts are exact multiples of a block (test_checksums.py has them on disk).
     extra = ("--segment-size", "16MiB", "--ssd-dir", str(ssd_dir), "--ssd-size", "256MiB", "--ssd-buffer-size", queue)
+    extra += ("--checksums", "off")
     return DaemonProcess(workdir, master=master, extra=extra, allow_shm_names=True)  # raw ranks: named segments
 
 
