@@ -8,6 +8,7 @@ published before it is asked of the replay socket, as a real router does after a
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,9 @@ class KvSubscriber:
         self._replay.connect(replay_endpoint)
         self.expected = 0  # the next sequence number this subscriber has not seen
         self.live = 0  # messages that came on the SUB socket (the rest came from replays)
+        # A subscriber a failed test forgot is closed when it is collected, sockets first: left to the garbage
+        # collector, zmq's Context.__del__ may run first and wait forever for the open sockets (pytest hung at exit)
+        self._closer = weakref.finalize(self, _close, self._ctx, self._sub, self._replay)
 
     def collect(self, done: Callable[[list[Any]], bool], timeout: float = 60.0) -> list[Any]:
         """Decoded batches from the next unseen one on, until done(batches) says so (AssertionError past timeout)."""
@@ -81,9 +85,19 @@ class KvSubscriber:
         return got
 
     def close(self) -> None:
-        self._sub.close(linger=0)
-        self._replay.close(linger=0)
-        self._ctx.term()
+        self._closer()
+
+    def __enter__(self) -> KvSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close(ctx: zmq.Context, *sockets: zmq.Socket) -> None:
+    for socket in sockets:
+        socket.close(linger=0)
+    ctx.term()
 
 
 def stored_hashes(batches: list[Any]) -> list[bytes]:

@@ -55,15 +55,15 @@ def test_a_servers_saved_blocks_reach_a_router_with_their_tokens_and_vllm_metric
 ):
     model = LLAMA.build(model_root)
     prompt = prompts(LLAMA)[0]
-    sub = KvSubscriber(*events_daemon.endpoints, TOPIC, Decoder(KVEventBatch).decode)
-    server = start(model, readme_flag(events_daemon.target, cache_prefix), tmp_path / "server.log")
-    try:
-        output = server.complete(prompt, MAX_TOKENS)
-        batches = sub.collect(lambda bs: sum(len(e.token_ids) for b in bs for e in b.events) >= len(prompt) // 2)
-        metrics = metric_totals(server.port, "vllm:kvsidecar_")
-    finally:
-        server.stop()
-        sub.close()
+    flag = readme_flag(events_daemon.target, cache_prefix)
+    with KvSubscriber(*events_daemon.endpoints, TOPIC, Decoder(KVEventBatch).decode) as sub:
+        server = start(model, flag, tmp_path / "server.log")
+        try:
+            output = server.complete(prompt, MAX_TOKENS)
+            batches = sub.collect(lambda bs: sum(len(e.token_ids) for b in bs for e in b.events) >= len(prompt) // 2)
+            metrics = metric_totals(server.port, "vllm:kvsidecar_")
+        finally:
+            server.stop()
     events = [e for b in batches for e in b.events]
     assert events and all(isinstance(e, BlockStored) for e in events)
     size = events[0].block_size

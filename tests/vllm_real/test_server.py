@@ -25,7 +25,8 @@ def readme_flag(socket_target: str, prefix: str) -> str:
     assert match, "README.md lost its one-line vLLM command"
     config = json.loads(match.group(1))
     assert config["kv_connector"] == "KVSidecarConnector"
-    config["kv_connector_extra_config"].update(socket=socket_target, cache_prefix=prefix)
+    # The README's line relies on the defaults (the default socket, no prefix); the test points it at its own daemon
+    config.setdefault("kv_connector_extra_config", {}).update(socket=socket_target, cache_prefix=prefix)
     return json.dumps(config)
 
 
