@@ -105,23 +105,6 @@ def _bounded_parser(name: str, max_lookup_hashes: int) -> Callable[[bytes | byte
     return lenient(BY_NAME[name].request, *lookup_limit(max_lookup_hashes))
 
 
-def sidecar_handlers(servicer: Any, max_lookup_hashes: int) -> grpc.GenericRpcHandler:
-    """The Sidecar service's handlers, one per method-table row, parsing requests so that garbage reaches the
-    servicer as Undecodable and a request past its size limit as Oversized.
-
-    gRPC's own deserializers raise before any servicer code runs, which clients see as UNKNOWN with no reason.
-    """
-    handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name),
-            request_deserializer=request_parser(method, max_lookup_hashes),
-            response_serializer=method.response.SerializeToString,
-        )
-        for method in METHODS
-    }
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-
 def lenient(cls: Any, most: int = 0, why: str = "") -> Callable[[bytes | bytearray], Any]:
     """A parser of cls's messages answering Undecodable for garbage and Oversized past `most` bytes."""
 
@@ -213,24 +196,25 @@ def block_ids(values: Sequence[Any], num_groups: int) -> list[list[int]]:
     return out
 
 
-def batch_items(items: Sequence[Any], method: str) -> list[tuple[str, Any]]:
-    """(name, request) of a SaveBatch or LoadBatch's items; the batch as a whole must fit the per-request limits."""
+def batch_items(items: Sequence[Any], method: str) -> list[Any]:
+    """A SaveBatch or LoadBatch's items (each a name and a request), checked: unique names, and the batch as a whole
+    within the per-request limits."""
     if len(items) > MAX_BATCH_ITEMS:
         raise BadRequest(f"{method}: at most {MAX_BATCH_ITEMS} items per batch, got {len(items)}")
-    out = [(item.name, item.request) for item in items]
-    if len({name for name, _ in out}) != len(out):
-        dup = next(name for name, n in Counter(name for name, _ in out).items() if n > 1)
+    names = Counter(item.name for item in items)
+    if len(names) != len(items):
+        dup = next(name for name, n in names.items() if n > 1)
         raise BadRequest(f"{method}: item names must be unique, {dup[:MAX_NAME_CHARS]!r} appears more than once")
     # One request this size would be refused: a batch is no way around the limits.
-    total_hashes = sum(len(r.block_hashes) for _, r in out)
+    total_hashes = sum(len(item.request.block_hashes) for item in items)
     if total_hashes > MAX_HASHES:
         raise BadRequest(
             f"{method}: at most {MAX_HASHES} block hashes per batch, all items together, got {total_hashes}"
         )
-    total_ids = sum(len(g.ids) for _, r in out for g in r.block_ids)
+    total_ids = sum(len(g.ids) for item in items for g in item.request.block_ids)
     if total_ids > MAX_BLOCK_IDS:
         raise BadRequest(f"{method}: at most {MAX_BLOCK_IDS} block ids per batch (all items), got {total_ids}")
-    return out
+    return list(items)
 
 
 def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs:

@@ -85,5 +85,8 @@ def test_wire_only_converts():
         "kvsidecar.memory.regions",
         "kvsidecar.sessions.registry",
         "kvsidecar.rpc.servicer",
+        "kvsidecar.rpc.dispatch",
+        "kvsidecar.rpc.handlers",
     }
     assert not _imports(DAEMON / "rpc" / "wire.py") & forbidden
+    assert "grpc.method_handlers_generic_handler" not in (DAEMON / "rpc" / "wire.py").read_text()
