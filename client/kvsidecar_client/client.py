@@ -19,16 +19,7 @@ import grpc
 from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, TcpAuth, make_channel
 from kvsidecar_client._data import DataSocket, data_socket_for
 from kvsidecar_client._side import SideSocket, side_socket_for, unix_socket_path
-from kvsidecar_client.batch import (
-    LoadItem,
-    SaveItem,
-    chunks,
-    item_outcomes,
-    load_batch_request,
-    load_requests,
-    retention_message,
-    save_requests,
-)
+from kvsidecar_client.batch import LoadItem, SaveItem, load_items, parts, retention_message, save_items, send
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
     ClientClosed,
@@ -42,7 +33,7 @@ from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
 from kvsidecar_client.results import Hit, LoadResult, Registration, SessionInfo
 from kvsidecar_client.retention import Retention
 from kvsidecar_client.saves import SaveSender
-from kvsidecar_client.session import SessionKeeper, remaining
+from kvsidecar_client.session import SessionKeeper
 from kvsidecar_contract.limits import MAX_REGIONS
 from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
@@ -240,8 +231,8 @@ class SidecarClient:
         self._require_memory(method)
         _unique([item.name for item in items], method)
         deadline = time.monotonic() + (self._deadlines.save if timeout is None else timeout)
-        requests = save_requests(items, lambda ids: self._block_ids(ids, method), self.retention)
-        return self._saves.send_batch(requests, deadline)
+        batch = save_items(items, lambda ids: self._block_ids(ids, method), self.retention)
+        return self._saves.send_batch([item.name for item in items], batch, deadline)
 
     def lookup(
         self,
@@ -342,23 +333,15 @@ class SidecarClient:
         self._keeper.check_open(method)
         self._require_memory(method)
         _unique([item.name for item in items], method)
-        out: dict[str, LoadResult | SidecarError] = {}
-        sendable: list[tuple[str, pb.LoadRequest, None]] = []
-        for name, request in load_requests(items, lambda ids: self._block_ids(ids, method), self.retention).items():
-            if isinstance(request, pb.LoadRequest):
-                sendable.append((name, request, None))
-            else:
-                out[name] = request  # refused here, or a miss with nothing to read
+        batch = load_items(items, lambda ids: self._block_ids(ids, method), self.retention)
         deadline = time.monotonic() + (self._deadlines.load if timeout is None else timeout)
-        for batch in chunks(sendable):
-            names = [name for name, _, _ in batch]
-            try:
-                response = self._keeper.call(method, load_batch_request(batch), remaining(deadline, method))
-            except SidecarError as error:
-                out.update(dict.fromkeys(names, error))
-                continue
-            for name, outcome in zip(names, item_outcomes(method, names, response.results, LoadResult), strict=True):
-                out[name] = outcome  # type: ignore[assignment]
+        for part in parts(batch):
+            send(self._keeper, method, part, LoadResult, deadline)
+        out: dict[str, LoadResult | SidecarError] = {}
+        for item, outcome in zip(items, batch.outcomes(), strict=True):
+            if isinstance(outcome, Exception) and not isinstance(outcome, SidecarError):
+                raise outcome  # not the daemon's answer nor the client's refusal: a fault of its own
+            out[item.name] = outcome
         return out
 
     def load(
