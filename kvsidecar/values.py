@@ -147,6 +147,7 @@ class LoadArgs(NamedTuple):
     tails: Sequence[int]
     start_tokens: int = 0
     retention: RetentionArgs | None = None  # a hit retains what it read as a save would
+    carried: Sequence[int] = ()  # the groups the load is for (empty: every group); the others are not read
 
 
 class LookupOutcome(NamedTuple):

@@ -58,6 +58,7 @@ class LoadItem(NamedTuple):
     hit: Hit
     start_tokens: int = 0
     retention: Retention | None = None  # a hit retains what it read; None: the client's default
+    groups: Sequence[int] = ()  # the KV-cache groups the load is for (empty: every group; see load_detailed)
 
 
 BlockIdsOf = Callable[[Sequence[Sequence[int]]], list[pb.BlockIds]]
@@ -105,6 +106,7 @@ def load_items(
                 tail_boundaries=item.hit.tail_boundaries,
                 start_tokens=item.start_tokens,
                 retention=retention_message(item.retention or retention),
+                carried_groups=item.groups,
             ),
         )
         return pb.LoadItem(name=item.name, request=request)

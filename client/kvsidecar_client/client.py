@@ -295,10 +295,13 @@ class SidecarClient:
         *,
         start_tokens: int = 0,
         retention: Retention | None = None,
+        groups: Sequence[int] = (),
         timeout: float | None = None,
     ) -> LoadResult:
         """Read a lookup's hit into the blocks `block_ids` (per group) and name every block that failed; with
-        `retention` (None: the client's default) what it read is kept ahead of ordinary cache.
+        `retention` (None: the client's default) what it read is kept ahead of ordinary cache. `groups` names the
+        KV-cache groups the load is for (empty: every group): the others' blocks are neither read nor reported
+        failed, whatever their block ids (an engine that moves one group per call).
 
         Raises DaemonUnavailable when the daemon cannot be reached: the client cannot know which blocks the load
         would have read, so the engine must then recompute every block it asked for.
@@ -317,6 +320,7 @@ class SidecarClient:
             tail_boundaries=hit.tail_boundaries,
             start_tokens=start_tokens,
             retention=retention_message(retention or self.retention),
+            carried_groups=groups,
         )
         response = self._keeper.call("Load", request, self._deadlines.load if timeout is None else timeout)
         return LoadResult.from_proto(response)
@@ -352,11 +356,12 @@ class SidecarClient:
         *,
         start_tokens: int = 0,
         retention: Retention | None = None,
+        groups: Sequence[int] = (),
         timeout: float | None = None,
     ) -> set[int]:
         """Like `load_detailed`, returning only the ids of the blocks that failed to load."""
         result = self.load_detailed(
-            block_hashes, block_ids, hit, start_tokens=start_tokens, retention=retention, timeout=timeout
+            block_hashes, block_ids, hit, start_tokens=start_tokens, retention=retention, groups=groups, timeout=timeout
         )
         return result.failed_block_ids
 

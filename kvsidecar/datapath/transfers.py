@@ -266,11 +266,11 @@ class DataPath:
         )
 
     def _load_plan(self, session: Session, request: LoadArgs) -> _Load:
-        """A request's chunks to read, apart from those without a block (counted failed: the engine recomputes)."""
+        """A request's chunks to read (of the groups it carries), apart from those without a block (counted failed:
+        the engine recomputes them)."""
         self.retention.check(session, request.retention)
-        plan = load_plan(
-            session.geometry, request.hashes, request.block_ids, request.hit_tokens, request.tails, request.start_tokens
-        )
+        r = request
+        plan = load_plan(session.geometry, r.hashes, r.block_ids, r.hit_tokens, r.tails, r.start_tokens, r.carried)
         nowhere = [c for c in plan if c.block_id == NO_BLOCK]
         if nowhere:
             kinds = kinds_of(session)

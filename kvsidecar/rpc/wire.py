@@ -258,6 +258,8 @@ def packed_hashes(data: bytes, hash_bytes: int) -> PackedHashes:
 
 def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs:
     """One Load request's (or LoadBatch item's) values."""
+    if len(req.carried_groups) > num_groups:
+        raise BadRequest(f"carried_groups names {len(req.carried_groups)} groups, the session has {num_groups}")
     return LoadArgs(
         hashes(req.block_hashes, hash_bytes),
         block_ids(req.block_ids, num_groups),
@@ -265,6 +267,7 @@ def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs
         list(req.tail_boundaries),
         req.start_tokens,
         retention_args(req),
+        list(req.carried_groups),
     )
 
 

@@ -73,20 +73,25 @@ def load_plan(
     hit_tokens: int,
     tails: Sequence[int],
     start_tokens: int = 0,
+    carried: Sequence[int] = (),
 ) -> tuple[Chunk, ...]:
     """The chunks this rank reads to serve hit_tokens, every one from its own namespace (never striped).
 
     Blocks that end at or before start_tokens are already in the engine and are not read. The block that
     contains the hit end is read under its tail boundary, exactly as the lookup reported it. A chunk whose block
     id is NO_BLOCK stays in the plan: the engine has nowhere to put it, so the load must report it failed.
+    carried names the groups the load is for (empty: every group): the others' block ids are not looked at.
     """
     u = geo.layout.hash_block_size
     _check_groups(geo, block_ids)
     check_hit(geo, len(block_hashes), hit_tokens, tails)
     if not 0 <= start_tokens <= hit_tokens:
         raise InvalidRequest(f"start_tokens {start_tokens} must be in [0, hit_tokens={hit_tokens}]")
+    wanted = _carried(geo, carried)
     chunks: list[Chunk] = []
     for group, tail in zip(geo.groups, tails, strict=True):
+        if group.index not in wanted:
+            continue
         ids = block_ids[group.index]
         spans = load_spans(group.spec, group.span, hit_tokens, start_tokens)
         for index in spans:
@@ -134,6 +139,18 @@ def check_hit(geo: Geometry, num_hashes: int, hit_tokens: int, tails: Sequence[i
 def _check_groups(geo: Geometry, block_ids: Sequence[Sequence[int]]) -> None:
     if len(block_ids) != len(geo.groups):
         raise InvalidRequest(f"expected block ids for {len(geo.groups)} groups, got {len(block_ids)}")
+
+
+def _carried(geo: Geometry, carried: Sequence[int]) -> range | set[int]:
+    """The groups a load carries: those named (each once, each a group of the layout), or every group."""
+    if not carried:
+        return range(len(geo.groups))
+    wanted = set(carried)
+    if len(wanted) != len(carried) or not wanted <= set(range(len(geo.groups))):
+        raise InvalidRequest(
+            f"carried groups {list(carried)} must name each of the {len(geo.groups)} groups at most once"
+        )
+    return wanted
 
 
 def _check_index(group: GroupGeometry, ids: Sequence[int], index: int) -> None:

@@ -71,8 +71,10 @@ def test_a_bad_item_is_refused_alone_and_a_miss_needs_no_call():
         block_ids,
     )  # fmt: skip
     (to_read,) = loads.open()
-    assert to_read.name == "hit" and to_read.request.hit_tokens == 16
+    assert to_read.name == "hit" and to_read.request.hit_tokens == 16 and not to_read.request.carried_groups
     loads.answer([LoadResult(1, 4)])
     _, miss, groups = loads.outcomes()
     assert miss == LoadResult(0, 0, ())
     assert isinstance(groups, InvalidRequest)
+    (one_group,) = load_items([LoadItem("g", [b"h" * 32], [[3]], hit, groups=(0,))], block_ids).open()
+    assert list(one_group.request.carried_groups) == [0]

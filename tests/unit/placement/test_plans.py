@@ -153,6 +153,12 @@ def test_no_block_spans_are_skipped_by_saves_and_kept_by_loads():
     assert (plan.others, plan.absent) == (0, 2)
     chunks = load_plan(geo, H, [[0, 1, 2, 3], [NO_BLOCK] * 4], 64, (64, 64))
     assert chunks[-1].block_id == NO_BLOCK  # the load must say it failed, not silently skip it
+    # A load that says it carries group 0 only is not about the state: it is left out, whatever its ids say.
+    assert load_plan(geo, H, [[0, 1, 2, 3], []], 64, (64, 64), carried=[0]) == chunks[:4]
+    assert [c.group for c in load_plan(geo, H, [[], [NO_BLOCK] * 3 + [7]], 64, (64, 64), carried=[1])] == [1]
+    for carried in ([2], [0, 0]):
+        with pytest.raises(InvalidRequest, match="must name each of the 2 groups at most once"):
+            load_plan(geo, H, [[0, 1, 2, 3], []], 64, (64, 64), carried=carried)
 
 
 def test_a_lookup_too_large_to_probe_is_refused():
