@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvsidecar.reasons import Reason
-from kvsidecar_contract.placement import Hit, Parallel
+from kvsidecar_contract.placement import Parallel
 
 __all__ = [
     "CudaHandle",
@@ -23,7 +23,6 @@ __all__ = [
     "LoadArgs",
     "LoadOutcome",
     "LookupArgs",
-    "LookupOutcome",
     "RegionRequest",
     "RetentionArgs",
     "Role",
@@ -148,14 +147,6 @@ class LoadArgs(NamedTuple):
     start_tokens: int = 0
     retention: RetentionArgs | None = None  # a hit retains what it read as a save would
     carried: Sequence[int] = ()  # the groups the load is for (empty: every group); the others are not read
-
-
-class LookupOutcome(NamedTuple):
-    """A hit, or a miss because the store could not be asked."""
-
-    hit: Hit
-    degraded: bool
-    detail: str
 
 
 class LoadOutcome(NamedTuple):

@@ -35,6 +35,7 @@ from kvsidecar_client.retention import Retention
 from kvsidecar_client.saves import SaveSender
 from kvsidecar_client.session import SessionKeeper
 from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.mapping import hit_from_message
 from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
@@ -263,7 +264,7 @@ class SidecarClient:
             if not miss_on_unavailable:
                 raise
             return Hit.miss(len(self._spec.groups), f"daemon unavailable: {error}")
-        return Hit.from_proto(response)
+        return hit_from_message(response)
 
     def lookup_async(
         self,

@@ -39,7 +39,7 @@ from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.parsing import parse_address
-from kvsidecar.rpc.datasocket import DataSocket
+from kvsidecar.rpc.datasocket import DataListener
 from kvsidecar.rpc.dispatch import Dispatcher
 from kvsidecar.rpc.servers import DISK_TIER_HEALTH, SERVICE_NAME, create_servers
 from kvsidecar.rpc.side import SideChannel
@@ -235,7 +235,7 @@ class Daemon:
         # the data pool's do (inside the loopback guard), since they call the store.
         s = self.settings
         path, sessions = data_socket_path(s.socket.path), dispatcher.handlers.sessions
-        data_socket = DataSocket(path, dispatcher, sessions, self.metrics, s.service.max_message_bytes)
+        data_socket = DataListener(path, dispatcher, sessions, self.metrics, s.service.max_message_bytes)
         self._parts.push_async_callback(_in_thread, data_socket.stop, SHUTDOWN_GRACE_S)
         data_socket.bind(s.socket.mode, gid)
         data_socket.start()

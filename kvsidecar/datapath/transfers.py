@@ -27,7 +27,7 @@ from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
 from kvsidecar.tenancy.retention import RetentionLedger
-from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, RetentionArgs, SaveArgs, SaveOutcome
+from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, RetentionArgs, SaveArgs, SaveOutcome
 from kvsidecar_contract.batches import Batch
 from kvsidecar_contract.limits import MAX_HASHES
 from kvsidecar_contract.placement import (
@@ -201,7 +201,7 @@ class DataPath:
         self.retention.settle(kept, lambda j: results[j] is Saved.WRITTEN)
         return results, kept
 
-    def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
+    def lookup(self, session: Session, request: LookupArgs) -> Hit:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
         if len(request.hashes) > self.max_lookup_hashes:
             # One call's work holds the GIL and a lookup thread for all of it: bounded, so others' lookups go on.
@@ -227,20 +227,20 @@ class DataPath:
             except StoreError as exc:
                 self.metrics.store_errors.labels("exists", exc.code.value).inc()
                 self.metrics.lookup_requests.labels("degraded").inc()
-                return LookupOutcome(Hit(0, (0,) * len(geo.groups)), True, f"store unavailable: {exc.reason}")
+                return Hit.miss(len(geo.groups), f"store unavailable: {exc.reason}")
             # C-level passes: a full hit on a 128k-token prompt at T=8 with three groups probes ~140k keys.
             staged.record(list(map(operator.is_, presence, itertools.repeat(Presence.PRESENT))))
             unknown += presence.count(Presence.UNKNOWN)
         hit = staged.answer()
-        self.metrics.lookup_hit_tokens.inc(hit.tokens)
+        self.metrics.lookup_hit_tokens.inc(hit.hit_tokens)
         if session.tenant:
-            self.metrics.tenant_lookup_hit_tokens.labels(session.tenant).inc(hit.tokens)
+            self.metrics.tenant_lookup_hit_tokens.labels(session.tenant).inc(hit.hit_tokens)
         # Unanswered probes count as missing (never as hits); the answer says it may be shorter than the truth.
         if unknown:
             self.metrics.lookup_requests.labels("degraded").inc()
-            return LookupOutcome(hit, True, f"{unknown} of {staged.probes} existence probes failed")
-        self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
-        return LookupOutcome(hit, False, "")
+            return hit._replace(degraded=True, detail=f"{unknown} of {staged.probes} existence probes failed")
+        self.metrics.lookup_requests.labels("hit" if hit.hit_tokens else "miss").inc()
+        return hit
 
     def load(self, session: Session, request: LoadArgs, deadline: float | None = None) -> LoadOutcome:
         """Read the hit's chunks straight into engine memory with one batch get; name every block that failed.

@@ -37,7 +37,7 @@ from kvsidecar.tenancy.tickets import PeerCred
 from kvsidecar_contract import frames
 from kvsidecar_contract.methods import BY_FRAME
 
-__all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataSocket"]
+__all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataListener"]
 
 
 MAX_CONNECTIONS = 512
@@ -50,7 +50,7 @@ class _Closed(Exception):
     """The peer closed its end (or the daemon shut the connection's read side down to stop)."""
 
 
-class DataSocket(UnixListener):
+class DataListener(UnixListener):
     """The data socket's listener: a thread accepting connections, one thread serving each."""
 
     KIND = socket.SOCK_STREAM

@@ -25,7 +25,6 @@ from kvsidecar.values import (
     LoadArgs,
     LoadOutcome,
     LookupArgs,
-    LookupOutcome,
     MemfdHandle,
     RegionRequest,
     Role,
@@ -41,9 +40,9 @@ from kvsidecar_contract.limits import (
     MAX_HASHES,
     MAX_NAME_CHARS,
 )
-from kvsidecar_contract.mapping import from_message, parallel_to_message
+from kvsidecar_contract.mapping import from_message, hit_to_message, parallel_to_message
 from kvsidecar_contract.methods import BY_NAME, METHODS, Method
-from kvsidecar_contract.placement import Geometry, Layout, PackedHashes
+from kvsidecar_contract.placement import Geometry, Hit, Layout, PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
@@ -338,11 +337,9 @@ def save_response(out: SaveOutcome) -> pb.SaveResponse:
     )
 
 
-def lookup_response(out: LookupOutcome) -> pb.LookupResponse:
+def lookup_response(hit: Hit) -> pb.LookupResponse:
     """A lookup's hit."""
-    return pb.LookupResponse(
-        hit_tokens=out.hit.tokens, tail_boundaries=out.hit.tails, degraded=out.degraded, detail=out.detail
-    )
+    return hit_to_message(hit)
 
 
 def load_response(out: LoadOutcome) -> pb.LoadResponse:

@@ -87,7 +87,7 @@ def test_a_save_through_the_built_data_path_reaches_the_store_and_the_events(par
     assert not saved.failures and saved.written == len(parts.store.keys()) > 0
     assert sum(parts.events.writes) == saved.written  # the events given at construction heard of every value
     assert (
-        parts.datapath.lookup(rank.session, LookupArgs(hashes, 65)).hit.tokens == 64
+        parts.datapath.lookup(rank.session, LookupArgs(hashes, 65)).hit_tokens == 64
     )  # the last token is always computed
 
 

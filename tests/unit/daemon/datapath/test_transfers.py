@@ -117,14 +117,14 @@ def test_a_lookup_hits_up_to_the_first_missing_block_and_a_failed_probe_is_a_deg
     save(dp, writer)
     scheduler = rank(store).session
     out = dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1))
-    assert (out.hit.tokens, out.degraded, out.detail) == (TOKENS, False, "")
+    assert (out.hit_tokens, out.degraded, out.detail) == (TOKENS, False, "")
     # The third block gone: a hit never extends past a miss.
     store.remove([keys(writer)[2]])
-    assert dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1)).hit.tokens == 32
+    assert dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1)).hit_tokens == 32
     # A probe the store cannot answer counts as missing, and the answer says it may be short.
     store.fail_keys(StoreCode.RPC_TIMEOUT, [keys(writer)[1]], ["exists"])
     out = dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1))
-    assert out.hit.tokens == 16 and out.degraded and "existence probes failed" in out.detail
+    assert out.hit_tokens == 16 and out.degraded and "existence probes failed" in out.detail
 
 
 def test_blocks_failing_in_the_store_are_named_with_its_code_and_the_others_go_through():
@@ -226,4 +226,4 @@ def test_a_lookup_of_more_hashes_than_the_limit_is_refused_naming_it():
     dp = path(store, max_lookup_hashes=3)
     with pytest.raises(BadRequest, match=r"a Lookup of 4 block hashes: at most 3 per call \(--max-lookup-hashes\)"):
         dp.lookup(rank(store).session, LookupArgs(HASHES, TOKENS + 1))
-    assert dp.lookup(rank(store).session, LookupArgs(HASHES[:3], 49)).hit.tokens == 0
+    assert dp.lookup(rank(store).session, LookupArgs(HASHES[:3], 49)).hit_tokens == 0
