@@ -1,7 +1,7 @@
 """The cost of crossing into the daemon: small saves and loads, and a null call, per daemon, interleaved.
 
     python benchmarks/crossing.py [--before /tmp/before] [--blocks 8,16,32,64,128] [--shapes mla,gqa]
-                                  [--rounds 15] [--null 400] [--threads]
+                                  [--rounds 15] [--null 400] [--threads] [--checksums off,sampled,all]
 
 Runs one daemon of this tree (and, with --before, one more whose PYTHONPATH is another checkout of the repo, each
 with its own master and segment) next to in-process Mooncake (the bench's own path), all on the same engine memory,
@@ -9,6 +9,8 @@ taking turns request by request. Prints per path and size: median GiB/s, wall ms
 the client and of the daemon. The null call is a Save of no blocks through the client (its save pool, gRPC, the
 daemon's whole servicer path) and a raw KeepAlive on the channel: p50/p99 wall and CPU per call. --threads also
 prints the daemon's CPU per thread (/proc/<pid>/task, grouped by thread name) over the save and load rounds.
+--checksums runs one daemon of this tree per --checksums mode instead (each with its own master and segment), and
+adds each one's rate as a fraction of the first's (a mode given twice, off,off,..., shows the noise of that).
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ def main() -> None:
     parser.add_argument("--null", type=int, default=400, help="null calls per daemon (0: none)")
     parser.add_argument("--segment-size", default="1GiB")
     parser.add_argument("--threads", action="store_true", help="the daemon's CPU per thread")
+    parser.add_argument(
+        "--checksums", default="", help="daemons of this tree, one per --checksums mode, e.g. off,sampled/32,all"
+    )
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
     shapes = [SHAPES[s] for s in args.shapes.split(",")]
@@ -128,18 +133,27 @@ def main() -> None:
     os.chdir(work)
     mooncake = MooncakeEnv(work)
     segment = int(args.segment_size.removesuffix("GiB")) << 30
-    trees = {"after": None} | ({"before": args.before} if args.before else {})
+    trees: dict[str, tuple[str | None, tuple[str, ...]]] = {"after": (None, ())}
+    if args.checksums:
+        trees = {}
+        for spec in args.checksums.split(","):  # a mode twice (off,off) measures the noise between two daemons
+            mode, _, every = spec.partition("/")  # sampled/32: one value in 32
+            extra = ("--checksums", mode, *(("--checksum-every", every) if every else ()))
+            trees[spec if spec not in trees else f"{spec}-{len(trees)}"] = (None, extra)
+    if args.before:
+        trees["before"] = (args.before, ())
     with contextlib.ExitStack() as stack:
         daemons: dict[str, DaemonPath] = {}
-        for name, tree in trees.items():
-            master = stack.enter_context(EmbeddedMaster(log_path=work / f"master-{name}.log"))
+        for name, (tree, extra) in trees.items():
+            folder = work / name.replace("/", "-")  # sampled/32
+            master = stack.enter_context(EmbeddedMaster(log_path=work / f"master-{folder.name}.log"))
             env = {}
             if tree:
                 env["PYTHONPATH"] = os.pathsep.join(str(Path(tree) / p) for p in ("", "contract", "client"))
-            (work / name).mkdir()
+            folder.mkdir()
             daemon = DaemonProcess(
-                work / name, master=master.address, session_ttl=None, segment_size=args.segment_size,
-                local_buffer_size=None, log_level="warning", mooncake=mooncake, env=env,
+                folder, master=master.address, session_ttl=None, segment_size=args.segment_size,
+                local_buffer_size=None, log_level="warning", mooncake=mooncake, env=env, extra=extra,
             )  # fmt: skip
             stack.callback(daemon.stop)
             daemon.start()
@@ -177,7 +191,9 @@ def main() -> None:
                     now = thread_cpu(d.daemon.pid)
                     threads[name] = {k: now[k] - before_threads[name].get(k, 0.0) for k in now}
                 print(f"\n## {shape.name}: GiB/s | wall ms | client CPU ms | daemon CPU ms (per request, median wall)")
+                first, *others = daemons
                 head = [*names, *(f"{d}/in-proc" for d in daemons), *(f"CPU/GiB {d}/in-proc" for d in daemons)]
+                head += [f"{d}/{first}" for d in others]
                 print("| op | blocks | " + " | ".join(head) + " |")
                 print("|" + " --- |" * (len(head) + 2))
                 for op in ("save", "load"):
@@ -196,6 +212,7 @@ def main() -> None:
                             )
                         ratios = [f"{rates[d] / rates['in-process']:.2f}" for d in daemons]
                         ratios += [f"{cpu[d] / cpu['in-process']:.2f}" for d in daemons]
+                        ratios += [f"{rates[d] / rates[first]:.3f}" for d in others]
                         print(f"| {op} | {n} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
                 if args.threads:
                     for name, per in threads.items():

@@ -78,6 +78,15 @@ class Metrics:
             ["group_kind", "reason"],
             registry=r,
         )
+        self.checksums = Counter(
+            "kvsidecar_value_checksums",
+            "Values given a checksum at save (summed), values whose checksum a load checked (verified), and of those "
+            "the ones whose bytes did not match (mismatch: never served, removed from the store, recomputed).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("summed", "verified", "mismatch"):
+            self.checksums.labels(outcome)
         self.saved_bytes = Counter("kvsidecar_saved_bytes", "Bytes written to the store.", registry=r)
         self.loaded_bytes = Counter("kvsidecar_loaded_bytes", "Bytes read from the store.", registry=r)
         self.store_operation_seconds = Histogram(

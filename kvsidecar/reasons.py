@@ -1,7 +1,8 @@
 """Why one block was not saved or loaded: the one home of every failure reason a client sees and a metric labels.
 
 The store's per-key outcomes (store/codes.py `StoreCode`) are one family of reasons; the daemon adds its own (a
-tenant's write budget, a span the engine gave no block). A reason's value is its wire text and metric label.
+tenant's write budget, a span the engine gave no block, bytes that fail their checksum). A reason's value is its
+wire text and metric label.
 
 Imports: store (its codes).
 """
@@ -36,6 +37,7 @@ class Reason(str, enum.Enum):
     # The daemon's own.
     TENANT_BUDGET = "tenant_budget"  # a save skipped by its tenant's write budget
     NO_BLOCK = "no_block"  # a load span the engine named no block for (NO_BLOCK): it recomputes it
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # a value read whose bytes fail its checksum: removed, recomputed
 
     @classmethod
     def of(cls, code: StoreCode) -> Reason:

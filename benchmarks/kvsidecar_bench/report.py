@@ -176,6 +176,7 @@ def to_json(results: Results) -> dict[str, Any]:
                 "daemon": {
                     "written_bytes": vr.daemon_written,
                     "stored_bytes": vr.daemon_stored,
+                    "trailer_bytes": vr.daemon_trailers,
                     "ratio": _num(vr.daemon_ratio),
                     "stored_ratio": _num(vr.daemon_stored_ratio),
                     "resave_written_bytes": vr.resave_written,

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvsidecar.movers.trailer import TRAILER_BYTES, chosen
 from kvsidecar_bench.errors import BenchError
 from kvsidecar_bench.mooncake_direct import DirectClient
 from kvsidecar_bench.progress import Progress
 from kvsidecar_bench.shapes import BLOCK_TOKENS, GQA, MLA, EngineMemory, ModelShape, Request
-from kvsidecar_contract.placement import Geometry
+from kvsidecar_contract.placement import Geometry, save_plan
 from kvsidecar_contract.placement.keys import block_key, namespace_prefix
 from kvsidecar_testing.processes import DaemonProcess
 
@@ -45,6 +46,7 @@ class VolumeResult:
     distinct_bytes: int
     daemon_written: int  # what the daemon's SaveResults report, all ranks
     daemon_stored: int  # growth of the master's allocated bytes
+    daemon_trailers: int  # of those, the checksum trailers of the values chosen for one (kvsidecar/movers/trailer.py)
     resave_written: int  # the same request saved again by every rank
     naive_written: int
     naive_stored: int
@@ -57,8 +59,8 @@ class VolumeResult:
 
     @property
     def daemon_stored_ratio(self) -> float:
-        """Store-side: allocated bytes per distinct byte."""
-        return self.daemon_stored / self.distinct_bytes
+        """Store-side: allocated bytes of KV (trailers aside) per distinct byte."""
+        return (self.daemon_stored - self.daemon_trailers) / self.distinct_bytes
 
     @property
     def naive_ratio(self) -> float:
@@ -84,6 +86,17 @@ def _rank_memories(shape: ModelShape, blocks: int) -> list[tuple[ModelShape, Geo
         # Ranks of one shard hold the same bytes: seed the pattern with the shard id.
         out.append((rank_shape, geo, EngineMemory.shared(rank_shape, blocks, seed=geo.groups[0].shard + 1)))
     return out
+
+
+def _trailer_bytes(ranks: list[tuple[ModelShape, Geometry, EngineMemory]], request: Request) -> int:
+    """The checksum trailers the daemon's rule (its default, the layouts' own) adds to the request's values."""
+    keys = {
+        chunk.key
+        for _, geo, _ in ranks
+        for chunk in save_plan(geo, request.hashes, [request.save_ids], request.num_tokens).chunks
+    }
+    every = ranks[0][1].layout.checksum_every
+    return TRAILER_BYTES * sum(chosen(key, every) for key in keys)
 
 
 class _Counts(NamedTuple):
@@ -181,6 +194,7 @@ def measure_volume(
                 distinct,
                 daemon_counts.written,
                 daemon_counts.stored,
+                _trailer_bytes(ranks, request),
                 daemon_counts.rewritten,
                 naive.written,
                 naive.stored,

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvsidecar_contract.placement import (
+    DEFAULT_CHECKSUM_EVERY,
     Geometry,
     Layout,
     Parallel,
@@ -56,6 +57,7 @@ def build_layout(
     block_size: int = 16,
     hash_block_size: int = 16,
     share_tp_size: int = 0,
+    checksum_every: int = DEFAULT_CHECKSUM_EVERY,
 ) -> Layout:
     """A layout seen from TP rank 0 (pcp and pp rank 0), from CLI-style arguments.
 
@@ -75,6 +77,7 @@ def build_layout(
         cache_prefix=cache_prefix,
         value_identity=value_identity,
         share_tp_size=share_tp_size,
+        checksum_every=checksum_every,
     )
 
 
@@ -297,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             hash_block_size=args.hash_block_size or args.block_size,
             share_tp_size=args.share_across_tp,
+            checksum_every=args.checksum_every,
         )
         info = describe(layout)
     except PlacementError as exc:
@@ -364,6 +368,14 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=0,
         help="also show, for a reader of this TP size, which values each of its ranks loads and which writer rank "
         "stored them",
+    )
+    p.add_argument(
+        "--checksum-every",
+        type=int,
+        default=DEFAULT_CHECKSUM_EVERY,
+        metavar="N",
+        help="the daemon's checksum rule, which keys carry as the value id: one value in N has a checksum (its "
+        f"--checksum-every; 1 with --checksums all, 0 with off) (default {DEFAULT_CHECKSUM_EVERY})",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)

@@ -13,6 +13,7 @@ from kvsidecar.events.endpoints import EndpointError, check_endpoint
 from kvsidecar.fence.bpf import parse_networks
 from kvsidecar.fence.daemon import is_loopback_host
 from kvsidecar.movers.runtime import MODES as GPU_MODES
+from kvsidecar.movers.trailer import MODES as CHECKSUM_MODES
 from kvsidecar.parsing import MiB, parse_address
 from kvsidecar_contract.paths import data_socket_path
 
@@ -48,6 +49,8 @@ def check(c: ConfigFields) -> None:
         raise ConfigError(f"replicas must be >= 1, got {c.replicas}")
     if c.gpu not in GPU_MODES:
         raise ConfigError(f"gpu must be auto, off or cpu, got {c.gpu!r}")
+    if c.checksums not in CHECKSUM_MODES:
+        raise ConfigError(f"checksums must be {', '.join(CHECKSUM_MODES)}, got {c.checksums!r}")
     for name in ("gpu_staging_size", "gpu_bounce_size"):
         if getattr(c, name) < 16 * MiB:
             raise ConfigError(f"{name.replace('_', '-')} must be at least 16MiB, got {getattr(c, name)}")
@@ -65,6 +68,7 @@ def check(c: ConfigFields) -> None:
         "lookups_per_account",
         "lookup_workers",
         "max_lookup_hashes",
+        "checksum_every",
     ):
         if getattr(c, name) < 1:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")

@@ -16,6 +16,7 @@ from kvsidecar.daemon.settings import (
 )
 from kvsidecar.fence.daemon import ReportSettings
 from kvsidecar.movers.runtime import GpuSettings
+from kvsidecar.movers.trailer import ChecksumSettings
 from kvsidecar.rpc.auth import TlsSettings
 from kvsidecar.rpc.servers import ServerSettings
 from kvsidecar.tenancy.shares import ShareLimits
@@ -77,6 +78,7 @@ def settings_of(config: Config) -> Settings:
             c.max_lookup_hashes,
             c.max_message_bytes,
             c.max_retention_seconds,
+            ChecksumSettings(c.checksums, c.checksum_every),
         ),
         servers=ServerSettings(
             socket=c.socket,

@@ -32,6 +32,7 @@ from kvsidecar.tenancy.shares import (
 from kvsidecar.tiers.node import DEFAULT_BUFFER_BYTES as DEFAULT_SSD_BUFFER_BYTES
 from kvsidecar.tiers.node import DEFAULT_SIZE_BYTES as DEFAULT_SSD_BYTES
 from kvsidecar_contract.paths import default_socket_path
+from kvsidecar_contract.placement import DEFAULT_CHECKSUM_EVERY
 
 __all__ = ["ConfigFields"]
 
@@ -173,6 +174,23 @@ class ConfigFields:
         group=STORE,
     )
     replicas: int = setting(1, help="replicas of every stored block (default 1)", parse=int, group=STORE)
+    checksums: str = setting(
+        "sampled",
+        help=(
+            "end-to-end checksums of stored values, summed at save from the bytes put and checked before a load "
+            "answers (a mismatch is a failed block the engine recomputes, counted, never served): sampled (one "
+            "value in --checksum-every, chosen by its key), all, or off (none summed, none checked); the rule is "
+            "part of every value's id, so daemons of one cluster share values only where their rules agree "
+            "(default sampled)"
+        ),
+        group=STORE,
+    )
+    checksum_every: int = setting(
+        DEFAULT_CHECKSUM_EVERY,
+        help=f"with --checksums sampled: one value in this many carries a checksum (default {DEFAULT_CHECKSUM_EVERY})",
+        parse=int,
+        group=STORE,
+    )
     gpu: str = setting(
         "auto",
         help=(

@@ -45,11 +45,11 @@ def open_tenancy(settings: TenancySettings, metrics: Metrics) -> Tenancy:
 def build_sessions(
     settings: ServiceSettings, shares: ShareLimits, store: Store, metrics: Metrics, gpu: GpuRuntime
 ) -> SessionRegistry:
-    """The sessions, each memory attached with its mover (over the store, and the GPU path where there is one),
-    within the daemon's shares."""
+    """The sessions, each memory attached with its mover (over the store, and the GPU path where there is one; its
+    values sealed and checked as --checksums says), within the daemon's shares."""
     return SessionRegistry(
         settings.session_ttl,
-        Movers(store, metrics, gpu),
+        Movers(store, metrics, gpu, settings.checksums),
         metrics=metrics,
         shares=SessionShares.of(shares),
     )
@@ -73,7 +73,13 @@ def build_data_path(
         events=events,
         max_lookup_hashes=settings.max_lookup_hashes,
         retries=retries,
-        retention=Retainer(store, ledger, metrics, lambda s: tenancy.check_operator(s.caller, "a hard pin")),
+        retention=Retainer(
+            store,
+            ledger,
+            metrics,
+            lambda s: tenancy.check_operator(s.caller, "a hard pin"),
+            settings.checksums.checksum_every,
+        ),
     )
 
 

@@ -335,7 +335,7 @@ class Daemon:
         await self._health.set(SERVICE_NAME, serving if health.healthy and not gpu_failed else not_serving)
         if self.disk_tier is not None:
             # The store serves without its disk tier; whether the tier writes has a health name of its own.
-            await self._health.set(DISK_TIER_HEALTH, not_serving if self.disk_tier.engine.writing() else serving)
+            await self._health.set(DISK_TIER_HEALTH, not_serving if self.disk_tier.engine.not_writing() else serving)
 
     async def _housekeep(self) -> None:
         assert self.dispatcher is not None

@@ -8,10 +8,11 @@ on and a test builds one without a Config. The command line's Config is cut into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvsidecar.fence.daemon import ReportSettings
 from kvsidecar.movers.runtime import GpuSettings
+from kvsidecar.movers.trailer import ChecksumSettings
 from kvsidecar.rpc.servers import ServerSettings
 from kvsidecar.tenancy.shares import ShareLimits
 from kvsidecar.tiers.node import DiskTierSettings
@@ -97,7 +98,7 @@ class EventSettings:
 
 @dataclass(frozen=True)
 class ServiceSettings:
-    """The service's pools and lookup gates, the sessions' lease, and the data path's lookup bound."""
+    """The service's pools and lookup gates, the sessions' lease, the data path's lookup bound and its checksums."""
 
     workers: int
     lookup_workers: int
@@ -106,6 +107,7 @@ class ServiceSettings:
     max_lookup_hashes: int
     max_message_bytes: int
     max_retention_seconds: float = 86400.0
+    checksums: ChecksumSettings = field(default_factory=ChecksumSettings)
 
 
 @dataclass(frozen=True)

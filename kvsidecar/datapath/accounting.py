@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.sums import Loaded
 from kvsidecar.reasons import Reason
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import StoreCode
@@ -17,7 +18,7 @@ from kvsidecar_contract.placement import Chunk, SavePlan
 
 __all__ = ["Saved", "kinds_of", "load_outcome", "save_failed", "save_outcome"]
 
-log = logging.getLogger("kvsidecar")
+log = logging.getLogger(__name__)
 
 
 class Saved(enum.Enum):
@@ -80,25 +81,30 @@ def load_outcome(
     memory: SessionMemory,
     chunks: Sequence[Chunk],
     nowhere: Sequence[Chunk],
-    codes: Sequence[StoreCode],
+    codes: Sequence[Loaded],
 ) -> LoadOutcome:
-    """One request's load from its chunks' codes, counted for operators."""
+    """One request's load from its chunks' codes, counted for operators; what failed is logged once per request,
+    with the first key that failed its checksum."""
     kinds = kinds_of(session)
     loaded = nbytes = 0
     failures = [Failure(c.group, c.block_id, Reason.NO_BLOCK) for c in nowhere if c.part == 0]
     # Operators count blocks: a block cut in one value per KV head (rule 11) is loaded when every head is, and
     # fails once, whichever of its heads failed.
     loaded_per_group = [0] * len(kinds)
-    failed: dict[tuple[int, int], StoreCode] = {}
+    failed: dict[tuple[int, int], Loaded] = {}
+    corrupt: list[str] = []
     for chunk, code in zip(chunks, codes, strict=True):
         if chunk.part == 0:
             loaded_per_group[chunk.group] += 1
         if code is StoreCode.OK:
             loaded += 1
             nbytes += memory.part_bytes[chunk.group][chunk.part]
-        elif (chunk.group, chunk.span_index) not in failed:
+            continue
+        if code is Reason.CHECKSUM_MISMATCH:
+            corrupt.append(chunk.key)
+        if (chunk.group, chunk.span_index) not in failed:
             failed[chunk.group, chunk.span_index] = code
-            failures.append(Failure(chunk.group, chunk.block_id, Reason.of(code)))
+            failures.append(Failure(chunk.group, chunk.block_id, code if isinstance(code, Reason) else Reason.of(code)))
     for (g, _), code in failed.items():
         loaded_per_group[g] -= 1
         metrics.load_failed_blocks.labels(kinds[g], code.value).inc()
@@ -106,11 +112,15 @@ def load_outcome(
         # Once per request: a load that fails what a lookup promised costs the engine a recompute.
         causes = Counter(code.value for code in failed.values())
         log.warning(
-            "load of session %s: %d of %d blocks failed (%s); the engine recomputes them",
+            "load of session %s: %d of %d blocks failed (%s); the engine recomputes them%s",
             session.id[:8],
             len(failed),
             len({(c.group, c.span_index) for c in chunks}),
             ", ".join(f"{reason}: {n}" for reason, n in causes.most_common()),
+            f"; {len(corrupt)} values read failed their checksum (first {corrupt[0]}): not served, removed from "
+            "the store"
+            if corrupt
+            else "",
         )
     for g, kind in enumerate(kinds):
         if loaded_per_group[g]:

@@ -19,11 +19,12 @@ from typing import NamedTuple
 from kvsidecar.errors import Forbidden, StoreError
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.trailer import stored_bytes
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Pin, Presence, Store, StoreCode
 from kvsidecar.tenancy.retention import Action, RetentionLedger, Usage, Verdict
 from kvsidecar.values import RetentionArgs
-from kvsidecar_contract.placement import Chunk, key_prefix
+from kvsidecar_contract.placement import DEFAULT_CHECKSUM_EVERY, Chunk, key_prefix
 
 __all__ = ["Dropped", "Retainer", "RetentionPlan"]
 
@@ -91,10 +92,13 @@ class Retainer:
         ledger: RetentionLedger,
         metrics: Metrics,
         check_hard: Callable[[Session], None] | None = None,
+        checksum_every: int = DEFAULT_CHECKSUM_EVERY,
     ) -> None:
         """check_hard raises Forbidden unless the session may pin hard (an operator credential's; by default no
-        session may)."""
+        session may); checksum_every: the daemon's checksum rule (which values carry a trailer: a pin rewrites a
+        stored value whole, trailer and all)."""
         self.store = store
+        self.checksum_every = checksum_every
         self.ledger = ledger
         self.metrics = metrics
         self.check_hard = check_hard or _no_hard_pins
@@ -128,7 +132,7 @@ class Retainer:
                 continue
             for i, v in self._admit(session, memory, [(i, chunks[i]) for i in indices], request):
                 plan.verdicts[i] = v
-                plan.sizes[i] = memory.part_bytes[chunks[i].group][chunks[i].part]
+                plan.sizes[i] = self._stored(chunks[i].key, memory.part_bytes[chunks[i].group][chunks[i].part])
                 if presence[i] is Presence.PRESENT:
                     plan.present.add(i)
         return plan
@@ -157,7 +161,7 @@ class Retainer:
         plan = RetentionPlan()
         for i, v in self._admit(session, memory, list(enumerate(chunks)), want):
             plan.verdicts[i] = v
-            plan.sizes[i] = memory.part_bytes[chunks[i].group][chunks[i].part]
+            plan.sizes[i] = self._stored(chunks[i].key, memory.part_bytes[chunks[i].group][chunks[i].part])
             plan.present.add(i)
         self.settle(plan, lambda j: False)
         return plan.counts(0, len(chunks), lambda j: False)
@@ -169,7 +173,8 @@ class Retainer:
         for hard, group in groupby(sorted(doomed, key=lambda d: d[1].hard), key=lambda d: d[1].hard):
             items = list(group)
             try:
-                codes = self.store.pin([k for k, _ in items], [e.size for _, e in items], None, hard_before=hard)
+                sizes = [self._stored(k, e.size) for k, e in items]
+                codes = self.store.pin([k for k, _ in items], sizes, None, hard_before=hard)
             except StoreError as exc:
                 self.metrics.store_errors.labels("pin", exc.code.value).inc()
                 codes = [exc.code] * len(items)
@@ -231,6 +236,11 @@ class Retainer:
         namespace = key_prefix(session.layout.model, session.layout.cache_prefix)
         verdicts = self.ledger.admit(session.tenant, namespace, boundaries, want)
         return list(zip([i for i, _ in covered], verdicts, strict=True))
+
+    def _stored(self, key: str, value_bytes: int) -> int:
+        """What the store holds for a value (a pin rewrites it whole): its bytes, and its checksum trailer where the
+        daemon's rule chose it. Budgets count the value's own bytes."""
+        return stored_bytes(key, value_bytes, self.checksum_every)
 
     def _count(self, plan: RetentionPlan) -> None:
         for v in plan.verdicts.values():

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvsidecar.store import StoreCode
 from kvsidecar.store.codes import TRANSIENT
@@ -21,6 +22,8 @@ __all__ = ["DEFAULT_CALL_S", "RETRY_WAITS_S", "RetryPolicy", "retry_transient"]
 
 RETRY_WAITS_S = (0.05, 0.2, 0.5, 1.0)  # before each retry, growing: a busy master gets room
 DEFAULT_CALL_S = 5.0  # the daemon's MC_RPC_TIMEOUT_MS
+
+Code = TypeVar("Code")  # what a call answers per item: a store code, or a verdict of the daemon's beside them
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class RetryPolicy:
 
 
 def retry_transient(
-    call: Callable[[Sequence[int]], list[StoreCode]],
+    call: Callable[[Sequence[int]], list[Code]],
     items: Sequence[int],
     policy: RetryPolicy,
     deadline: float | None,
@@ -50,17 +53,18 @@ def retry_transient(
     *,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
-) -> list[StoreCode]:
-    """call(items) -> one code per item; the items whose code is transient are called again, as the policy allows.
-    on_retry(code, count) hears of each retry, by the code it retries."""
+) -> list[Code]:
+    """call(items) -> one code per item; the items whose code is a transient StoreCode are called again, as the
+    policy allows. on_retry(code, count) hears of each retry, by the code it retries."""
     codes = dict(zip(items, call(items), strict=True))
     retry = 0
     while True:
-        again = [i for i in items if codes[i] in TRANSIENT]
+        transient = {i: code for i in items if isinstance(code := codes[i], StoreCode) and code in TRANSIENT}
+        again = list(transient)
         wait = policy.wait_before(retry, deadline, clock()) if again else None
         if wait is None:
             return [codes[i] for i in items]
-        for code, count in Counter(codes[i] for i in again).items():
+        for code, count in Counter(transient.values()).items():
             on_retry(code, count)
         sleep(wait)
         retry += 1

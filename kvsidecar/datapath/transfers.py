@@ -22,6 +22,7 @@ from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.base import Mover
+from kvsidecar.movers.sums import Loaded
 from kvsidecar.reasons import Reason
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
@@ -290,12 +291,12 @@ class DataPath:
         retained, unretained = self.retention.touch(session, memory, read, want)
         return outcome._replace(retained=retained, unretained=unretained)
 
-    def _get(self, mover: Mover, chunks: Sequence[Chunk], deadline: float | None) -> list[StoreCode]:
+    def _get(self, mover: Mover, chunks: Sequence[Chunk], deadline: float | None) -> list[Loaded]:
         """Each chunk's read into its block; a key read into n blocks (n requests of a step sharing a prefix) is
         read in n batches, its k-th block in the k-th, so that no batch names a key twice: Mooncake fills only the
         last of a key's places in one batch and reports every one read. A transient failure is read again while the
         deadline allows."""
-        codes: list[StoreCode] = [StoreCode.OK] * len(chunks)
+        codes: list[Loaded] = [StoreCode.OK] * len(chunks)
         seen: dict[str, int] = {}
         rounds: list[list[int]] = []
         for j, c in enumerate(chunks):
@@ -305,7 +306,7 @@ class DataPath:
                 rounds.append([])
             rounds[k].append(j)
 
-        def read(batch: Sequence[int]) -> list[StoreCode]:
+        def read(batch: Sequence[int]) -> list[Loaded]:
             with self._timed("get"):
                 return mover.get([chunks[j].key for j in batch], [chunks[j] for j in batch])
 

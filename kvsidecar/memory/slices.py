@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SliceTemplate", "host_tensor"]
+__all__ = ["SliceTemplate", "host_bytes", "host_tensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +30,9 @@ def host_tensor(address: int, size: int) -> torch.Tensor:
     import torch
 
     return torch.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=torch.uint8)
+
+
+def host_bytes(address: int, size: int) -> memoryview:
+    """[address, address + size) of this process's memory as a memoryview of bytes, without a copy (what a checksum
+    reads); like host_tensor, it must be dropped before whoever owns the memory unmaps it."""
+    return memoryview((ctypes.c_uint8 * size).from_address(address))

@@ -8,7 +8,10 @@ the data path plans and accounts and never asks where memory lies.
 - plans: copy plans (strided views of a session's memory); staging: each device's slots (staging, bounce, index
   buffers, a stream each); accelerators: what differs between a GPU and a CPU standing in for one;
 - runtime: on a GPU node, the Mooncake build checked, CUDA started in the background, the segment page-locked, the
-  GPUs' UUIDs (identity: a rank's GPU found by UUID), the path's health.
+  GPUs' UUIDs (identity: a rank's GPU found by UUID), the path's health;
+- trailer: the 16 bytes every stored value ends with, and which values carry a checksum in them; sums: the
+  checksums computed at save and checked at load, for both movers.
 
-Imports: errors, values, metrics, store, memory; torch (only on a GPU node, or where tests stand a CPU in for one).
+Imports: errors, reasons, values, metrics, store, memory; torch (only on a GPU node, or where tests stand a CPU in
+for one).
 """

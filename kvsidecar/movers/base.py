@@ -7,6 +7,7 @@ from typing import Protocol
 
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.sums import Loaded
 from kvsidecar.store import StoreCode
 from kvsidecar.store.base import Pin
 from kvsidecar_contract.placement import Chunk
@@ -16,7 +17,9 @@ __all__ = ["Mover", "by_pin", "check_chunks", "count_failure"]
 
 class Mover(Protocol):
     """Moves one session memory's values between its blocks and the store; chosen once, when the memory is
-    registered (movers/factory.py). A value is a chunk's block's slices, concatenated (memory/regions.py)."""
+    registered (movers/factory.py). A stored value is a chunk's block's slices, concatenated (memory/regions.py),
+    and, where its key is chosen, a checksum trailer (trailer.py) sealed from the bytes put and checked before a
+    load answers (sums.py)."""
 
     memory: SessionMemory
 
@@ -31,9 +34,10 @@ class Mover(Protocol):
         blocks may be reused."""
         ...
 
-    def get(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[StoreCode]:
-        """Read each key's value into its checked chunk's block; one code per chunk. A value that was not read is
-        never written into its block; returns once the bytes are in the engine's memory."""
+    def get(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[Loaded]:
+        """Read each key's value into its checked chunk's block; one code per chunk, CHECKSUM_MISMATCH for a value
+        whose bytes fail their trailer (removed from the store). A value that was not read is never written into its
+        block; returns once the bytes are in the engine's memory."""
         ...
 
     def close(self) -> None:

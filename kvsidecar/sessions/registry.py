@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -77,6 +78,8 @@ class SessionRegistry:
 
         grant is what tenancy granted it (Tenancy.open_session); without one, single-tenant and no extra rights."""
         grant = grant or Grant(SINGLE_TENANT)
+        # Which of its values carry a checksum trailer is the daemon's to say (--checksums), in its keys' value id.
+        layout = dataclasses.replace(layout, checksum_every=self._movers.checksum_every)
         tenant = grant.tenant
         caller = caller or Caller()
         account = account_of(tenant, caller.uid, caller.cert_subject)
@@ -317,12 +320,13 @@ class SessionRegistry:
         return session.gone or (not session.liveness and session.expires_at < now)
 
     def close_all(self) -> None:
-        """Close every session (daemon shutdown)."""
+        """Close every session (daemon shutdown), then what their movers shared."""
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
         for s in sessions:
             self._release(s)
+        self._movers.close()
 
     def snapshot(self) -> list[Session]:
         """The open sessions."""

@@ -197,8 +197,8 @@ class DiskEngine:
             files = len(x.files.segments)
             return dataclasses.replace(stats, blocks=len(x.entries), files=files, skipped=Counter(stats.skipped))
 
-    def writing(self) -> str:
-        """ "" while the tier writes; else why it does not, since when (a full filesystem, a failing disk)."""
+    def not_writing(self) -> str:
+        """Why the tier does not write, since when (a full filesystem, a failing disk); "" while it writes."""
         with self._index.lock:
             return self._index.writing.problem()
 

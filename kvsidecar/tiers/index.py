@@ -38,6 +38,7 @@ class Pending:
     length: int = 0
     checksum: int = 0
     settled: bool = False  # written or given up, its buffer back in the pool
+    was: Entry | None = None  # a removal record's: where the removed value lies on disk
 
 
 class DiskIndex:
@@ -89,8 +90,12 @@ class DiskIndex:
         if entry is None and not queued:
             return False
         self.seq += 1
-        self.queue.append(Pending(self.seq, key, None))
+        self.queue.append(Pending(self.seq, key, None, was=entry))
         return True
+
+    def segment_path(self, number: int) -> Path:
+        """Where segment file number lies."""
+        return self.directory / f"{number:08d}.seg"
 
     def forget_corrupt(self, key: str, entry: Entry, seg: SegmentFile) -> None:
         """A value that failed its checksum: counted, and forgotten unless it was written again meanwhile."""

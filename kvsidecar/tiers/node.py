@@ -65,7 +65,7 @@ class DiskTierNode:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         r = self.engine.recovery
         self.note = (
-            f"disk tier {self.directory}: recovered {r.blocks} of {r.blocks} blocks on disk "
+            f"disk tier {self.directory}: recovered {r.blocks} block{'' if r.blocks == 1 else 's'} on disk "
             f"({r.bytes / MiB:.1f} MiB in {r.files} file{'' if r.files == 1 else 's'}, {r.seconds:.2f} s"
             + (f"; {r.cut_tails} torn index tail{'' if r.cut_tails == 1 else 's'} cut)" if r.cut_tails else ")")
         )
@@ -111,7 +111,7 @@ class DiskTierNode:
         m.disk_corrupt_reads.inc(now.corrupt_reads - seen.corrupt_reads)
         m.disk_evicted_blocks.inc(now.evicted_blocks - seen.evicted_blocks)
         m.disk_evicted_bytes.inc(now.evicted_bytes - seen.evicted_bytes)
-        m.disk_writing.set(0 if self.engine.writing() else 1)
+        m.disk_writing.set(0 if self.engine.not_writing() else 1)
         for reason, count in (now.skipped - seen.skipped).items():
             m.disk_skipped_writes.labels(reason).inc(count)
         m.disk_queued_bytes.set(now.queued_bytes)

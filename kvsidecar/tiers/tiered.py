@@ -200,7 +200,7 @@ class TieredStore:
     def health(self) -> StoreHealth:
         """DRAM's health, with the disk tier's recovery note and, while it does not write, why."""
         health = self.dram.health()
-        notes = [note for note in (self._health_note, self.disk.writing()) if note]
+        notes = [note for note in (self._health_note, self.disk.not_writing()) if note]
         return health._replace(detail="; ".join([health.detail, *notes])) if notes else health
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 BATCH_BYTES = 16 * MiB  # one write (one pwritev, one fdatasync) at most, unless a single value is larger
 _BATCH_VALUES = 512  # and at most this many values (IOV_MAX is 1024)
+_SPOILED = 64  # bytes of a value flipped where its removal could not be recorded
 
 
 class Writer:
@@ -99,6 +100,7 @@ class Writer:
         if seg is None:
             rolled = self._roll()  # removal records only, and no file yet
             if isinstance(rolled, str):
+                self._spoil(items)
                 with x.lock:
                     x.settle(items)
                 return
@@ -121,9 +123,10 @@ class Writer:
                     for v in bufs:
                         v.release()
                 os.fdatasync(seg.wfd)
-            os.write(seg.ifd, b"".join(encode(r) for r in records))
+            _write_all(seg.ifd, b"".join(encode(r) for r in records))
             os.fdatasync(seg.ifd)
         except OSError as exc:
+            self._spoil(items)
             with x.lock:
                 x.failed(exc, f"cannot write file {seg.number:08d}", sum(1 for i in items if i.data is not None))
                 x.skipped(x.skip_reason, items)
@@ -133,6 +136,33 @@ class Writer:
         seg.used = base + pos
         with x.lock:
             x.written(seg, items, records)
+
+    def _spoil(self, items: list[Pending]) -> None:
+        """Removals whose records could not be written: their values' bytes are spoiled where they lie instead, so
+        that a restart, which rebuilds the index from the records, finds them failing their checksums (counted
+        misses) rather than serves them again. A removed value may hold bytes nobody may read any more (a save
+        revoked past its deadline). Spoiling overwrites bytes already on disk: it needs no free space."""
+        x = self.index
+        for item in items:
+            if item.data is not None or item.was is None:
+                continue
+            path = x.segment_path(item.was.file)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue  # its file is gone: nothing left to serve
+            except OSError as exc:
+                log.error("disk tier: cannot remove %s from %s (%s): a restart may serve it again", item.key, path, exc)
+                continue
+            try:
+                head = bytearray(os.pread(fd, _SPOILED, item.was.offset))
+                # Every bit of the value's first bytes flipped: its checksum cannot come out right again.
+                os.pwrite(fd, bytes(b ^ 0xFF for b in head), item.was.offset)
+                os.fdatasync(fd)
+            except OSError as exc:
+                log.error("disk tier: cannot remove %s from %s (%s): a restart may serve it again", item.key, path, exc)
+            finally:
+                os.close(fd)
 
     def _roll(self) -> SegmentFile | str:
         """Start a new preallocated file, dropping the oldest ones until it fits; if none can be started, the reason
@@ -160,3 +190,11 @@ class Writer:
             with x.lock:
                 x.files.add(seg)
             return seg
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """All of data appended, or OSError: a full filesystem takes what fits and refuses the rest only on the next
+    write, which a single os.write never makes (its short count would lose the records after the cut silently)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

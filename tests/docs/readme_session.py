@@ -25,7 +25,13 @@ COMMAND_TIMEOUT_S = 180.0
 
 
 def main(root: str, tmp: str, commands: dict[str, Any]) -> dict[str, Any]:
-    subprocess.run(["mount", "--bind", tmp, "/tmp"], check=True)
+    checkout = Path(root).resolve()
+    if Path("/tmp") in checkout.parents:
+        # A checkout under /tmp (a CI clone) stays where it is, so that its venv's scripts find their python.
+        inside = Path(tmp) / checkout.relative_to("/tmp")
+        inside.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", str(checkout), str(inside)], check=True)
+    subprocess.run(["mount", "--rbind", tmp, "/tmp"], check=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     # A newcomer's shell: no runtime directory (the socket goes under /tmp) and nothing of the test session's.
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR" and not k.startswith(("MC_", "PYTEST"))}

@@ -20,6 +20,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.movers.accelerators import Accelerator
 from kvsidecar.movers.factory import Movers
 from kvsidecar.movers.runtime import GpuRuntime, GpuSettings
+from kvsidecar.movers.trailer import ChecksumSettings
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Store
@@ -90,10 +91,12 @@ def rank(
     model: str = "dev/model",
     accelerator: Accelerator | None = None,
     heads: int = 0,
+    checksums: ChecksumSettings | None = None,
 ) -> Iterator[Rank]:
     """A rank on the device path (device=False: the host path, the same memory layout) over store; staging and
     bounce are the device's whole area (SLOTS slots); accelerator: a stand-in CPU of the test's own; heads: KV
-    heads of every block, each block stored as one value per head (rule 11, shared across TP sizes)."""
+    heads of every block, each block stored as one value per head (rule 11, shared across TP sizes); checksums: the
+    daemon's --checksums (its default without)."""
     per_group = layers_per_group * block_bytes * blocks
     segment = shared_memory.SharedMemory(create=True, size=per_group * len(groups))
     segment.buf[:] = bytes(len(segment.buf))
@@ -103,7 +106,7 @@ def rank(
         given = [accelerator] if accelerator is not None else None
         runtime = GpuRuntime(GpuSettings("cpu", staging_bytes, bounce_bytes), store, metrics, devices=given)
         runtime.start()
-    registry = SessionRegistry(60, Movers(store, metrics, runtime), metrics=metrics)
+    registry = SessionRegistry(60, Movers(store, metrics, runtime, checksums), metrics=metrics)
     regions = []
     for g in range(len(groups)):
         for r in layers(segment, layers_per_group, block_bytes, blocks, g, heads):

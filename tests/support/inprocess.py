@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,9 @@ class InProcessDaemon:
     def stop(self) -> None:
         """Stop gracefully and join the thread."""
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            # A closed loop: a start that failed has ended the thread already.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:

@@ -14,6 +14,7 @@ from kvsidecar_contract.placement.chunks import (
 from kvsidecar_contract.placement.errors import InvalidLayout, PlacementError, RequestMismatch
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
 from kvsidecar_contract.placement.keys import (
+    DEFAULT_CHECKSUM_EVERY,
     KEY_TAIL_PATTERN,
     VALUE_FORMAT,
     block_key,
@@ -48,6 +49,7 @@ from kvsidecar_contract.placement.state import (
 from kvsidecar_contract.placement.syntax import kind_of, parse_group, parse_groups
 
 __all__ = [
+    "DEFAULT_CHECKSUM_EVERY",
     "KEY_TAIL_PATTERN",
     "NO_BLOCK",
     "VALUE_FORMAT",

@@ -21,7 +21,9 @@ from collections.abc import Mapping, Sequence
 from kvsidecar_contract.placement.packed import PackedHashes
 
 __all__ = [
+    "DEFAULT_CHECKSUM_EVERY",
     "FORMAT_TAG",
+    "KEY_FORMAT",
     "KEY_TAIL_PATTERN",
     "VALUE_FORMAT",
     "VALUE_ID_CHARS",
@@ -34,9 +36,16 @@ __all__ = [
 ]
 
 # The value format: how the daemon builds a block's value from the registered regions (one group's regions, in
-# registration order, each its block's bytes). Bump it whenever that changes: old values then never match.
-VALUE_FORMAT = 1
-FORMAT_TAG = f"kvs{VALUE_FORMAT}"
+# registration order, each its block's bytes) and what follows them. Bump it whenever that changes: every value id
+# changes with it, so old values then never match. 2: a value whose key is chosen for a checksum (one in the
+# layout's checksum_every) ends with a 16-byte trailer holding it (kvsidecar/movers/trailer.py).
+VALUE_FORMAT = 2
+# Which keys' values carry a checksum trailer by default: one in 32 (the daemon's --checksums sampled).
+DEFAULT_CHECKSUM_EVERY = 32
+# The key format's tag: how a key is laid out (below), apart from what its values hold; a reset of a model sweeps
+# its keys of every value format.
+KEY_FORMAT = 1
+FORMAT_TAG = f"kvs{KEY_FORMAT}"
 VALUE_ID_CHARS = 24  # hex digits of the value id (96 bits)
 
 # Everything after key_prefix(model, cache_prefix) in a key, as a regular expression (the same in Python and in
@@ -45,9 +54,13 @@ VALUE_ID_CHARS = 24  # hex digits of the value id (96 bits)
 KEY_TAIL_PATTERN = rf"[0-9a-f]{{{VALUE_ID_CHARS}}}@s[0-9]+\.c[0-9]+\.d[0-9]+\.p[0-9]+\.g[0-9]+@[0-9a-f]+"
 
 
-def value_id(identity: str, session: Mapping[str, object]) -> str:
-    """A namespace's value id: a digest of the client's identity, what the daemon knows of the session, the format."""
-    text = json.dumps({"format": VALUE_FORMAT, "identity": identity, "session": session}, sort_keys=True)
+def value_id(identity: str, session: Mapping[str, object], checksum_every: int) -> str:
+    """A namespace's value id: a digest of the client's identity, what the daemon knows of the session, the format
+    and which of its values end with a checksum trailer (checksum_every: one key in N; 1 all; 0 none)."""
+    text = json.dumps(
+        {"format": VALUE_FORMAT, "checksums": checksum_every, "identity": identity, "session": session},
+        sort_keys=True,
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:VALUE_ID_CHARS]
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvsidecar_contract.placement.errors import InvalidLayout
-from kvsidecar_contract.placement.keys import model_key, value_id
+from kvsidecar_contract.placement.keys import DEFAULT_CHECKSUM_EVERY, model_key, value_id
 from kvsidecar_contract.placement.state import RecurrentState, StateCut
 
 # Limits far past any real engine that keep every derived value (spans, alignment, namespaces) small: an absurd
@@ -317,6 +317,9 @@ class Layout:
     # them: attention cut as a TP=share_tp_size engine holds its KV heads (any N >= H: one value per head), the MLA
     # latent once. 0: per layout. Every session of an engine, scheduler included, must agree.
     share_tp_size: int = 0
+    # Which values end with a checksum trailer: one key in N (1: all, 0: none). Not the client's to choose: the
+    # daemon sets its --checksums on every session. Part of the value id: the bytes under a key differ with it.
+    checksum_every: int = DEFAULT_CHECKSUM_EVERY
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -326,6 +329,8 @@ class Layout:
             raise InvalidLayout(f"model name must not contain '@': {self.model!r}")
         if "@" in self.cache_prefix:
             raise InvalidLayout(f"cache_prefix must not contain '@': {self.cache_prefix!r}")
+        if self.checksum_every < 0:
+            raise InvalidLayout(f"checksum_every must be >= 0, got {self.checksum_every}")
         if self.num_kv_heads < 1:
             raise InvalidLayout(f"num_kv_heads must be >= 1, got {self.num_kv_heads}")
         if not 1 <= self.hash_block_size <= MAX_BLOCK_TOKENS:
@@ -423,7 +428,7 @@ class Layout:
             "hash_block_size": self.hash_block_size,
             "parallel": [par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
         }
-        return value_id(self.value_identity, session)
+        return value_id(self.value_identity, session, self.checksum_every)
 
     def shared(self, group: int) -> bool:
         """Whether the group's values are stored for every TP size (rule 11)."""
@@ -488,7 +493,7 @@ class Layout:
                 "parallel": ["any", par.pp_size, par.pcp_size, par.dcp_size],
                 "value": ["state", cut],
             }
-            return value_id(self.value_identity, session)
+            return value_id(self.value_identity, session, self.checksum_every)
         # Only what decides this group's bytes: another group's block size may follow T (a hybrid's attention
         # blocks sized to its per-rank Mamba state) without changing what one head of this group's block holds.
         session = {
@@ -498,7 +503,7 @@ class Layout:
             "parallel": ["any", par.pp_size, par.pcp_size, par.dcp_size],
             "value": f"kv_heads:{self.num_kv_heads // self.head_groups}" if g.head_split else "latent",
         }
-        return value_id(self.value_identity, session)
+        return value_id(self.value_identity, session, self.checksum_every)
 
     @property
     def model_key(self) -> str:

@@ -70,8 +70,8 @@ def test_model_field_is_last_path_component_and_the_value_id():
     layout = Layout("deepseek-ai/DeepSeek-V3/", (GroupSpec(Kind.MLA, 16),))
     geo = Geometry.of(layout)
     # Pinned: a change of this digest is a change of the value format and must be deliberate (bump VALUE_FORMAT).
-    assert layout.value_id == "244a715840cc3f39c8581854"
-    assert geo.groups[0].prefix == "kvs1@@DeepSeek-V3~244a715840cc3f39c8581854@s0.c0.d0.p0.g0"
+    assert layout.value_id == "9b14d267e74cc1695b48b2cd"
+    assert geo.groups[0].prefix == "kvs1@@DeepSeek-V3~9b14d267e74cc1695b48b2cd@s0.c0.d0.p0.g0"
 
 
 def test_saved_key_without_and_with_cache_prefix():

@@ -163,7 +163,7 @@ def test_the_state_pieces_of_a_hybrid_who_writes_them_and_who_reads_them():
     )
     # A TP=4 reader: each rank reads its one head and the group every rank repeats, all written at TP=2.
     reads = out.stdout.split("  group 1 (mamba[heads=4,groups=1], shared across TP sizes)\n")[1].splitlines()
-    key = "kvs1@@M~1070ad0668efafd70c0f205a@s{}.c0.d0.p0.g1@" + "00" * 32
+    key = "kvs1@@M~c9b18f90f3da811807e97e1a@s{}.c0.d0.p0.g1@" + "00" * 32
     assert reads == [
         line
         for r, writer in enumerate((0, 0, 1, 1))

@@ -4,6 +4,8 @@ read, hard pins for operators only, drops and resets (docs/retention.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -11,6 +13,8 @@ from kvsidecar.datapath.retention import Dropped, Retainer
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import Forbidden
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
+from kvsidecar.movers.trailer import TRAILER_BYTES, ChecksumSettings
 from kvsidecar.sessions.session import Session
 from kvsidecar.store import Pin, StoreCode
 from kvsidecar.store.memory_store import MemoryStore
@@ -127,6 +131,28 @@ def test_a_hit_retains_what_it_read():
     assert (out.loaded, out.retained) == (3, 3)
     assert dp.retention.flush(10.0)
     assert [store.pin_of(k) for k in keys(r)] == [Pin(ttl_ms=60_000)] * 3 + [None]
+
+
+def test_values_with_a_checksum_trailer_are_retained_and_dropped_whole():
+    # A pin rewrites a stored value whole: one that carries a trailer (--checksums) is that much larger than its
+    # blocks, and a pin sized by the blocks alone fails (SIZE_MISMATCH), leaving it ordinary cache.
+    store = MemoryStore()
+    metrics = Metrics(CollectorRegistry())
+    ledger = RetentionLedger(lambda tenant: 1 << 20, max_seconds=3600)
+    dp = DataPath(store, metrics, retention=Retainer(store, ledger, metrics, operators_only, checksum_every=1))
+    every = Movers(store, metrics, checksums=ChecksumSettings("all"))
+    writer = Rank(ATTENTION, dataclasses.replace(ATTENTION.layout(1), checksum_every=1), store, every)
+    writer.fill(HASHES, IDS)
+    save(dp, writer, retention=None)
+    assert all(len(store.value(k)) == VALUE + TRAILER_BYTES for k in keys(writer))
+    reader = Rank(ATTENTION, dataclasses.replace(ATTENTION.layout(1), checksum_every=1), store, every)
+    out = dp.load(reader.session, LoadArgs(HASHES, [[7, 2, 0, 4]], 48, (48,), retention=RetentionArgs(60)))
+    assert (out.loaded, out.retained) == (3, 3)
+    assert dp.retention.flush(10.0)
+    assert [store.pin_of(k) for k in keys(writer)] == [Pin(ttl_ms=60_000)] * 3 + [None]
+    assert count(metrics, "failed") == 0
+    assert dp.retention.drop("") == Dropped(3, 3 * VALUE, 0)  # budgets count the values' own bytes
+    assert all(store.pin_of(k) is None for k in keys(writer))
 
 
 def test_hard_pins_are_for_operators_and_an_operator_drops_a_tenants_retentions_keeping_the_bytes():

@@ -13,6 +13,8 @@ import itertools
 
 import pytest
 
+from kvsidecar.movers.trailer import TRAILER_BYTES, chosen
+from kvsidecar_contract.placement import DEFAULT_CHECKSUM_EVERY
 from kvsidecar_testing.hashes import chained_hashes
 from kvsidecar_testing.states import GatedDeltaNet, Kda, Mamba2, StateLayer
 from support.stateranks import Attention, Engines, Latent, Model
@@ -55,10 +57,11 @@ def test_every_reader_rank_loads_exactly_its_own_state_from_any_writer_tp(name, 
     saved = engines.save(engines.ranks(writer_tp, share), hashes(), WRITER_IDS, TOKENS)
     assert all(not s.failures and not s.skipped for s in saved), saved
     # Every value once: no rank found another's value already there, and the store holds each distinct byte once
-    # (exactly the bytes a TP=1 engine holds for the prompt).
+    # (exactly the bytes a TP=1 engine holds for the prompt, and the checksum trailers of the values chosen for one).
     assert sum(s.written for s in saved) == len(engines.store.keys())
     one = engines.ranks(1, share)[0]
-    assert engines.store.used_bytes == len(WRITER_IDS) * sum(r.block_bytes for r in one.regions)
+    trailers = TRAILER_BYTES * sum(chosen(key, DEFAULT_CHECKSUM_EVERY) for key in engines.store.keys())
+    assert engines.store.used_bytes == len(WRITER_IDS) * sum(r.block_bytes for r in one.regions) + trailers
     for rank in engines.ranks(reader_tp, share):
         hit = engines.lookup(rank, hashes(), TOKENS + 1)
         assert hit.hit_tokens == TOKENS, f"reader rank {rank.rank}: {hit}"

@@ -99,7 +99,7 @@ def test_every_store_failure_is_a_reason_and_the_daemons_own_are_no_store_code()
             assert Reason.of(code).value == code.value
     with pytest.raises(ValueError, match="no failure reason"):
         Reason.of(StoreCode.OK)
-    own = {Reason.NO_BLOCK, Reason.TENANT_BUDGET}
-    assert {r.value for r in own} == {"no_block", "tenant_budget"}
+    own = {Reason.NO_BLOCK, Reason.TENANT_BUDGET, Reason.CHECKSUM_MISMATCH}
+    assert {r.value for r in own} == {"no_block", "tenant_budget", "checksum_mismatch"}
     assert not {r.value for r in own} & {code.value for code in StoreCode}
     assert {r.value for r in Reason} == {c.value for c in StoreCode if c is not StoreCode.OK} | {r.value for r in own}

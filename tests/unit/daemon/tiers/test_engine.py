@@ -341,8 +341,8 @@ def test_a_filesystem_with_no_room_skips_every_write_and_counts_it_and_says_so_o
                 assert engine.snapshot().skipped["no_space"] == 3
                 assert engine.contains(["k0", "k1", "k2"]) == [False] * 3
                 assert get(engine, "k0")[0] is ReadResult.MISSING
-                assert engine.writing().startswith("disk tier NOT WRITING for ")
-                assert "the filesystem is full (No space left on device) (3 values not written)" in engine.writing()
+                assert engine.not_writing().startswith("disk tier NOT WRITING for ")
+                assert "the filesystem is full (No space left on device) (3 values not written)" in engine.not_writing()
                 # Room again: the next write lands (a new file is tried once a second meanwhile).
                 subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)
                 deadline = time.monotonic() + 60
@@ -351,12 +351,42 @@ def test_a_filesystem_with_no_room_skips_every_write_and_counts_it_and_says_so_o
                     assert put(engine, f"k{i}", pattern(f"v{i}"))
                     engine.flush(60)
                     i += 1
-                assert engine.contains([f"k{i - 1}"]) == [True] and engine.writing() == ""
+                assert engine.contains([f"k{i - 1}"]) == [True] and engine.not_writing() == ""
             said = [r.getMessage() for r in caplog.records if r.name == "kvsidecar"]
             assert len(said) == 2, said  # one line when it stops writing, one when it writes again
             assert said[0].startswith(f"disk tier {fs}: not writing: the filesystem is full (No space left on device);")
             assert said[1].startswith(f"disk tier {fs}: writing again after ")
             assert said[1].endswith(f"; {i - 1} values were not written meanwhile")
+        finally:
+            engine.close()
+
+
+def test_removals_the_full_filesystem_would_not_record_are_never_served_again_after_a_restart(tmp_path):
+    # Every removal record past what the index file's last page holds meets ENOSPC: a removal that is not on disk
+    # would bring its value back at the next start (a save revoked past its deadline holds bytes nobody may read).
+    small = 4 << 10
+    keys = [f"k{i:03d}" for i in range(200)]
+    with small_tmpfs(tmp_path / "fs", "8m") as fs:
+        engine = open_engine(fs, False)
+        try:
+            for key in keys:
+                put(engine, key, pattern(key, small))
+            engine.flush(60)
+            assert engine.contains(keys) == [True] * len(keys)
+            with open(fs / "filler", "wb") as filler, contextlib.suppress(OSError):  # the rest of the filesystem
+                while True:
+                    filler.write(b"\0" * (64 << 10))
+                    filler.flush()
+            engine.remove(keys)
+            engine.flush(60)
+            assert engine.contains(keys) == [False] * len(keys)
+        finally:
+            engine.close()
+        (fs / "filler").unlink()
+        engine = open_engine(fs, False)
+        try:
+            served = [key for key in keys if get(engine, key, small)[0] is ReadResult.OK]
+            assert served == [], f"{len(served)} removed values served after the restart"
         finally:
             engine.close()
 

@@ -111,9 +111,9 @@ def test_removal_reaches_both_tiers(parts):
 
 def test_health_carries_the_recovery_note(parts):
     _, _, store, _ = parts
-    store.note_health("disk tier X: recovered 0 of 0 blocks on disk")
+    store.note_health("disk tier X: recovered 0 blocks on disk")
     health = store.health()
-    assert health.healthy and health.detail.endswith("; disk tier X: recovered 0 of 0 blocks on disk")
+    assert health.healthy and health.detail.endswith("; disk tier X: recovered 0 blocks on disk")
 
 
 def test_disk_only_asks_dram_nothing_until_the_window_ends(parts):
