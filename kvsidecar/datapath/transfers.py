@@ -281,7 +281,7 @@ class DataPath:
             plan = tuple(c for c in plan if c.block_id != NO_BLOCK)
         return _Load(request, plan, nowhere)
 
-    def _loaded(self, session: Session, memory: SessionMemory, load: _Load, codes: Sequence[StoreCode]) -> LoadOutcome:
+    def _loaded(self, session: Session, memory: SessionMemory, load: _Load, codes: Sequence[Loaded]) -> LoadOutcome:
         """One request's load from its chunks' codes, counted; what it read retained as it asked."""
         outcome = load_outcome(self.metrics, session, memory, load.reads, load.nowhere, codes)
         want = load.args.retention
