@@ -31,7 +31,7 @@ def main() -> None:
         t1 = time.perf_counter()
         hit = compute_hit(geo, args.tokens, plan.stored([True] * len(plan.keys)))
         t2 = time.perf_counter()
-        load_plan(geo, hashes, ids, hit.tokens, hit.tails)
+        load_plan(geo, hashes, ids, hit.hit_tokens, hit.tail_boundaries)
         t3 = time.perf_counter()
         plan_s.append(t1 - t0)
         hit_s.append(t2 - t1)
@@ -40,7 +40,7 @@ def main() -> None:
     med = statistics.median(plan_s)
     print(f"prompt {args.tokens} tokens, {len(hashes)} hashes, {keys} probe keys")
     print(f"lookup plan : {med * 1e3:7.2f} ms median  -> {keys / med / 1e6:5.2f} M keys/s")
-    print(f"quorum + hit: {statistics.median(hit_s) * 1e3:7.2f} ms median  (hit {hit.tokens} tokens)")
+    print(f"quorum + hit: {statistics.median(hit_s) * 1e3:7.2f} ms median  (hit {hit.hit_tokens} tokens)")
     print(f"load plan   : {statistics.median(load_s) * 1e3:7.2f} ms median")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvsidecar.reasons import Reason
-from kvsidecar_contract.placement import Hit, Parallel
+from kvsidecar_contract.placement import Parallel
 
 __all__ = [
     "CudaHandle",
@@ -23,7 +23,6 @@ __all__ = [
     "LoadArgs",
     "LoadOutcome",
     "LookupArgs",
-    "LookupOutcome",
     "RegionRequest",
     "RetentionArgs",
     "Role",
@@ -147,14 +146,7 @@ class LoadArgs(NamedTuple):
     tails: Sequence[int]
     start_tokens: int = 0
     retention: RetentionArgs | None = None  # a hit retains what it read as a save would
-
-
-class LookupOutcome(NamedTuple):
-    """A hit, or a miss because the store could not be asked."""
-
-    hit: Hit
-    degraded: bool
-    detail: str
+    carried: Sequence[int] = ()  # the groups the load is for (empty: every group); the others are not read
 
 
 class LoadOutcome(NamedTuple):

@@ -126,7 +126,7 @@ def _staged(geo: Geometry, hashes: list[bytes], tokens: int, raw: DirectClient) 
         found = raw.exist(keys) if keys else []
         seconds += time.perf_counter() - t0
         staged.record([f == 1 for f in found])
-    return staged.answer().tokens, seconds, staged.probes, time.perf_counter() - start
+    return staged.answer().hit_tokens, seconds, staged.probes, time.perf_counter() - start
 
 
 def measure_lookups(
@@ -152,7 +152,7 @@ def measure_lookups(
             _populate(daemon, hashes[:stored], stored * BLOCK_TOKENS)
             plan = lookup_plan(geo, hashes, tokens)
             expected_tokens, _, probed, _ = _staged(geo, hashes, tokens, raw)
-            every = compute_hit(geo, tokens, plan.stored([f == 1 for f in raw.exist(plan.keys)])).tokens
+            every = compute_hit(geo, tokens, plan.stored([f == 1 for f in raw.exist(plan.keys)])).hit_tokens
             if expected_tokens != every:
                 raise BenchError(f"{case} lookup of {tokens} tokens: staged hit {expected_tokens}, probing all {every}")
             point = LookupPoint(tokens, len(plan.keys), expected_tokens, case, probed)

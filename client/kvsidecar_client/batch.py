@@ -1,8 +1,9 @@
-"""Batched saves and loads: the items an engine step sends in one SaveBatch or LoadBatch call, and their answers."""
+"""Batched saves and loads: the items an engine step sends in SaveBatch or LoadBatch calls, as one `Batch` (the
+contract's shape: each item answered with its result or its own error), and the calls that answer them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
@@ -10,24 +11,29 @@ import grpc
 from kvsidecar_client.errors import DaemonError, InvalidRequest, SidecarError, error_for_status
 from kvsidecar_client.results import Hit, LoadResult, SaveResult
 from kvsidecar_client.retention import Retention
+from kvsidecar_client.session import SessionKeeper, remaining
+from kvsidecar_contract.batches import Batch
 from kvsidecar_contract.limits import MAX_BATCH_ITEMS, MAX_BLOCK_IDS, MAX_HASHES
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = [
     "LoadItem",
     "SaveItem",
-    "chunks",
     "item_outcomes",
-    "load_batch_request",
-    "load_requests",
+    "load_items",
+    "parts",
     "retention_message",
-    "save_batch_request",
-    "save_requests",
+    "save_items",
+    "send",
 ]
 
 T = TypeVar("T")
+R = TypeVar("R", SaveResult, LoadResult)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# What one SaveBatch or LoadBatch may carry: items, and their hashes and block ids all together.
+_LIMITS = (MAX_BATCH_ITEMS, MAX_HASHES, MAX_BLOCK_IDS)
+_REQUESTS: dict[str, Any] = {"SaveBatch": pb.SaveBatchRequest, "LoadBatch": pb.LoadBatchRequest}
 
 
 class SaveItem(NamedTuple):
@@ -52,19 +58,23 @@ class LoadItem(NamedTuple):
     hit: Hit
     start_tokens: int = 0
     retention: Retention | None = None  # a hit retains what it read; None: the client's default
+    groups: Sequence[int] = ()  # the KV-cache groups the load is for (empty: every group; see load_detailed)
 
 
 BlockIdsOf = Callable[[Sequence[Sequence[int]]], list[pb.BlockIds]]
 
 
-def save_requests(
+def save_items(
     items: Sequence[SaveItem], block_ids: BlockIdsOf, retention: Retention | None = None
-) -> dict[str, pb.SaveRequest | InvalidRequest]:
-    """Each item's SaveRequest (retention: the default of items without one), or why the client refuses it."""
-    out: dict[str, pb.SaveRequest | InvalidRequest] = {}
-    for item in items:
-        try:
-            out[item.name] = pb.SaveRequest(
+) -> Batch[pb.SaveItem, SaveResult]:
+    """The items as one batch: each one's SaveItem message (retention: the default of items without one), or why
+    the client refuses it, that item alone."""
+
+    def message(item: SaveItem) -> pb.SaveItem:
+        request = _built(
+            "SaveBatch",
+            item.name,
+            lambda: pb.SaveRequest(
                 block_hashes=item.block_hashes,
                 block_ids=block_ids(item.block_ids),
                 num_tokens=item.num_tokens,
@@ -72,39 +82,38 @@ def save_requests(
                 token_ids=item.token_ids,
                 token_ids_start=item.token_ids_start,
                 retention=retention_message(item.retention or retention),
-            )
-        except InvalidRequest as error:
-            out[item.name] = error
-        except (TypeError, ValueError) as error:
-            out[item.name] = InvalidRequest(f"bad SaveBatch item {item.name!r}: {error}", method="SaveBatch")
-    return out
+            ),
+        )
+        return pb.SaveItem(name=item.name, request=request)
+
+    return Batch(items).step(message)
 
 
-def load_requests(
+def load_items(
     items: Sequence[LoadItem], block_ids: BlockIdsOf, retention: Retention | None = None
-) -> dict[str, pb.LoadRequest | LoadResult | InvalidRequest]:
-    """Each item's LoadRequest (retention: the default of items without one), an empty result for a miss (nothing
-    to read), or why the client refuses it."""
-    out: dict[str, pb.LoadRequest | LoadResult | InvalidRequest] = {}
-    for item in items:
-        try:
-            ids = block_ids(item.block_ids)
-            if item.hit.hit_tokens == 0:
-                out[item.name] = LoadResult(0, 0, ())
-                continue
-            out[item.name] = pb.LoadRequest(
+) -> Batch[pb.LoadItem, LoadResult]:
+    """The items as one batch: each one's LoadItem message (retention: the default of items without one), or why
+    the client refuses it; a miss is answered at once with an empty result (nothing to read)."""
+
+    def message(item: LoadItem) -> pb.LoadItem:
+        request = _built(
+            "LoadBatch",
+            item.name,
+            lambda: pb.LoadRequest(
                 block_hashes=item.block_hashes,
-                block_ids=ids,
+                block_ids=block_ids(item.block_ids),
                 hit_tokens=item.hit.hit_tokens,
                 tail_boundaries=item.hit.tail_boundaries,
                 start_tokens=item.start_tokens,
                 retention=retention_message(item.retention or retention),
-            )
-        except InvalidRequest as error:
-            out[item.name] = error
-        except (TypeError, ValueError) as error:
-            out[item.name] = InvalidRequest(f"bad LoadBatch item {item.name!r}: {error}", method="LoadBatch")
-    return out
+                carried_groups=item.groups,
+            ),
+        )
+        return pb.LoadItem(name=item.name, request=request)
+
+    batch: Batch[pb.LoadItem, LoadResult] = Batch(items).step(message)
+    batch.settle(lambda item: LoadResult(0, 0, ()) if item.request.hit_tokens == 0 else None)
+    return batch
 
 
 def retention_message(retention: Retention | None) -> pb.Retention | None:
@@ -112,33 +121,31 @@ def retention_message(retention: Retention | None) -> pb.Retention | None:
     return None if retention is None else retention.to_proto()
 
 
-def chunks(items: Sequence[tuple[str, Any, T]]) -> Iterator[list[tuple[str, Any, T]]]:
-    """(name, request, extra) items cut into batches the daemon accepts (items, hashes and block ids together)."""
-    batch: list[tuple[str, Any, T]] = []
-    hashes = ids = 0
-    for item in items:
-        request = item[1]
-        h = len(request.block_hashes)
-        n = sum(len(g.ids) for g in request.block_ids)
-        if batch and (len(batch) == MAX_BATCH_ITEMS or hashes + h > MAX_HASHES or ids + n > MAX_BLOCK_IDS):
-            yield batch
-            batch, hashes, ids = [], 0, 0
-        batch.append(item)
-        hashes += h
-        ids += n
-    if batch:
-        yield batch
+def parts(batch: Batch[Any, R]) -> list[Batch[Any, R]]:
+    """The batch's open items cut, in order, into calls the daemon accepts (items, hashes and block ids together)."""
+    return batch.parts(_cost, _LIMITS)
 
 
-def item_outcomes(
-    method: str, names: Sequence[str], results: Sequence[Any], cls: type[SaveResult] | type[LoadResult]
-) -> list[SaveResult | LoadResult | SidecarError]:
+def send(keeper: SessionKeeper, method: str, part: Batch[Any, R], result: type[R], deadline: float) -> None:
+    """One SaveBatch or LoadBatch call of the part's open items: each answered with its result or its own error, or
+    every one with the error of a call that failed whole (a lost session is re-opened and the call sent again once).
+    """
+    items = part.open()
+    try:
+        response = keeper.call(method, _REQUESTS[method](items=items), remaining(deadline, method))
+        part.answer(item_outcomes(method, [item.name for item in items], response.results, result))
+    except Exception as error:
+        # Every item is answered: an engine waits on a save's job before it reuses the blocks.
+        part.fail(error)
+
+
+def item_outcomes(method: str, names: Sequence[str], results: Sequence[Any], cls: type[R]) -> list[R | SidecarError]:
     """Each item's result or its own error, in the items' order, checked against the names the batch sent."""
     if [r.name for r in results] != list(names):
         # A daemon that answers other names than asked cannot be trusted with any of them.
         error = DaemonError(f"the daemon answered {len(results)} results for {len(names)} items, named otherwise")
-        return [error] * len(names)
-    out: list[SaveResult | LoadResult | SidecarError] = []
+        return [error for _ in names]
+    out: list[R | SidecarError] = []
     for result in results:
         if result.WhichOneof("outcome") == "error":
             code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
@@ -148,11 +155,16 @@ def item_outcomes(
     return out
 
 
-def save_batch_request(items: Sequence[tuple[str, pb.SaveRequest, Any]]) -> pb.SaveBatchRequest:
-    """A SaveBatch of (name, request, _) items."""
-    return pb.SaveBatchRequest(items=[pb.SaveItem(name=name, request=request) for name, request, _ in items])
+def _built(method: str, name: str, build: Callable[[], T]) -> T:
+    # protobuf raises TypeError/ValueError for a str hash or a negative count: the item's own InvalidRequest.
+    try:
+        return build()
+    except (TypeError, ValueError) as error:
+        if isinstance(error, InvalidRequest):
+            raise
+        raise InvalidRequest(f"bad {method} item {name!r}: {error}", method=method) from None
 
 
-def load_batch_request(items: Sequence[tuple[str, pb.LoadRequest, Any]]) -> pb.LoadBatchRequest:
-    """A LoadBatch of (name, request, _) items."""
-    return pb.LoadBatchRequest(items=[pb.LoadItem(name=name, request=request) for name, request, _ in items])
+def _cost(item: Any) -> tuple[int, int, int]:
+    request = item.request
+    return 1, len(request.block_hashes), sum(len(g.ids) for g in request.block_ids)

@@ -19,16 +19,7 @@ import grpc
 from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, TcpAuth, make_channel
 from kvsidecar_client._data import DataSocket, data_socket_for
 from kvsidecar_client._side import SideSocket, side_socket_for, unix_socket_path
-from kvsidecar_client.batch import (
-    LoadItem,
-    SaveItem,
-    chunks,
-    item_outcomes,
-    load_batch_request,
-    load_requests,
-    retention_message,
-    save_requests,
-)
+from kvsidecar_client.batch import LoadItem, SaveItem, load_items, parts, retention_message, save_items, send
 from kvsidecar_client.deadlines import Deadlines
 from kvsidecar_client.errors import (
     ClientClosed,
@@ -42,8 +33,9 @@ from kvsidecar_client.layout import EngineLayout, GroupSpec, SessionSpec
 from kvsidecar_client.results import Hit, LoadResult, Registration, SessionInfo
 from kvsidecar_client.retention import Retention
 from kvsidecar_client.saves import SaveSender
-from kvsidecar_client.session import SessionKeeper, remaining
+from kvsidecar_client.session import SessionKeeper
 from kvsidecar_contract.limits import MAX_REGIONS
+from kvsidecar_contract.mapping import hit_from_message
 from kvsidecar_contract.placement.packed import PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
@@ -240,8 +232,8 @@ class SidecarClient:
         self._require_memory(method)
         _unique([item.name for item in items], method)
         deadline = time.monotonic() + (self._deadlines.save if timeout is None else timeout)
-        requests = save_requests(items, lambda ids: self._block_ids(ids, method), self.retention)
-        return self._saves.send_batch(requests, deadline)
+        batch = save_items(items, lambda ids: self._block_ids(ids, method), self.retention)
+        return self._saves.send_batch([item.name for item in items], batch, deadline)
 
     def lookup(
         self,
@@ -272,7 +264,7 @@ class SidecarClient:
             if not miss_on_unavailable:
                 raise
             return Hit.miss(len(self._spec.groups), f"daemon unavailable: {error}")
-        return Hit.from_proto(response)
+        return hit_from_message(response)
 
     def lookup_async(
         self,
@@ -304,10 +296,13 @@ class SidecarClient:
         *,
         start_tokens: int = 0,
         retention: Retention | None = None,
+        groups: Sequence[int] = (),
         timeout: float | None = None,
     ) -> LoadResult:
         """Read a lookup's hit into the blocks `block_ids` (per group) and name every block that failed; with
-        `retention` (None: the client's default) what it read is kept ahead of ordinary cache.
+        `retention` (None: the client's default) what it read is kept ahead of ordinary cache. `groups` names the
+        KV-cache groups the load is for (empty: every group): the others' blocks are neither read nor reported
+        failed, whatever their block ids (an engine that moves one group per call).
 
         Raises DaemonUnavailable when the daemon cannot be reached: the client cannot know which blocks the load
         would have read, so the engine must then recompute every block it asked for.
@@ -326,6 +321,7 @@ class SidecarClient:
             tail_boundaries=hit.tail_boundaries,
             start_tokens=start_tokens,
             retention=retention_message(retention or self.retention),
+            carried_groups=groups,
         )
         response = self._keeper.call("Load", request, self._deadlines.load if timeout is None else timeout)
         return LoadResult.from_proto(response)
@@ -342,23 +338,15 @@ class SidecarClient:
         self._keeper.check_open(method)
         self._require_memory(method)
         _unique([item.name for item in items], method)
-        out: dict[str, LoadResult | SidecarError] = {}
-        sendable: list[tuple[str, pb.LoadRequest, None]] = []
-        for name, request in load_requests(items, lambda ids: self._block_ids(ids, method), self.retention).items():
-            if isinstance(request, pb.LoadRequest):
-                sendable.append((name, request, None))
-            else:
-                out[name] = request  # refused here, or a miss with nothing to read
+        batch = load_items(items, lambda ids: self._block_ids(ids, method), self.retention)
         deadline = time.monotonic() + (self._deadlines.load if timeout is None else timeout)
-        for batch in chunks(sendable):
-            names = [name for name, _, _ in batch]
-            try:
-                response = self._keeper.call(method, load_batch_request(batch), remaining(deadline, method))
-            except SidecarError as error:
-                out.update(dict.fromkeys(names, error))
-                continue
-            for name, outcome in zip(names, item_outcomes(method, names, response.results, LoadResult), strict=True):
-                out[name] = outcome  # type: ignore[assignment]
+        for part in parts(batch):
+            send(self._keeper, method, part, LoadResult, deadline)
+        out: dict[str, LoadResult | SidecarError] = {}
+        for item, outcome in zip(items, batch.outcomes(), strict=True):
+            if isinstance(outcome, Exception) and not isinstance(outcome, SidecarError):
+                raise outcome  # not the daemon's answer nor the client's refusal: a fault of its own
+            out[item.name] = outcome
         return out
 
     def load(
@@ -369,11 +357,12 @@ class SidecarClient:
         *,
         start_tokens: int = 0,
         retention: Retention | None = None,
+        groups: Sequence[int] = (),
         timeout: float | None = None,
     ) -> set[int]:
         """Like `load_detailed`, returning only the ids of the blocks that failed to load."""
         result = self.load_detailed(
-            block_hashes, block_ids, hit, start_tokens=start_tokens, retention=retention, timeout=timeout
+            block_hashes, block_ids, hit, start_tokens=start_tokens, retention=retention, groups=groups, timeout=timeout
         )
         return result.failed_block_ids
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -10,7 +10,7 @@ from kvsidecar_client.errors import InvalidRequest
 from kvsidecar_contract import placement
 from kvsidecar_contract.kinds import PROTO_OF_KIND
 from kvsidecar_contract.limits import MAX_GROUPS, MAX_NAME_CHARS
-from kvsidecar_contract.mapping import group_to_message, parallel_to_message, to_message
+from kvsidecar_contract.mapping import parallel_to_message, to_message
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["KINDS", "MAX_GROUPS", "ROLES", "EngineLayout", "GroupSpec", "SessionSpec"]
@@ -81,10 +81,6 @@ class EngineLayout(placement.Parallel):
         sizes = tuple(getattr(self, name) for name in _PARALLEL_FIELDS)
         return (EngineLayout, (*sizes, None if self.derives_dcp_rank else self.dcp_rank))
 
-    def to_parallel(self) -> placement.Parallel:
-        """The contract's Parallel value (this one: an EngineLayout is one)."""
-        return self
-
     def to_proto(self) -> pb.ParallelLayout:
         """The contract's ParallelLayout message."""
         return parallel_to_message(self, derive_dcp_rank=self.derives_dcp_rank)
@@ -93,36 +89,9 @@ class EngineLayout(placement.Parallel):
 _PARALLEL_FIELDS = ("tp_size", "tp_rank", "pp_size", "pp_rank", "pcp_size", "pcp_rank", "dcp_size")
 
 
-class GroupSpec(placement.GroupSpec):
-    """One KV-cache group: the contract's GroupSpec, its kinds given by the names docs/placement.md uses (`"mla"`).
-
-    kind, tokens per physical block, window (sliding kinds), members (uniform) and, for a recurrent group, its
-    state's layout (rule 12).
-    """
-
-    __slots__ = ()
-
-    def __init__(
-        self,
-        kind: str,
-        block_size: int,
-        window: int = 0,
-        inner: Sequence[str] = (),
-        state: placement.RecurrentState | None = None,
-    ) -> None:
-        # Accept any sequence for `inner` but store a tuple, so the spec stays hashable and immutable.
-        kinds = (_contract(placement.kind_of, kind), *(_contract(placement.kind_of, m, "member kind") for m in inner))
-        _check_int("block_size", block_size)
-        _check_int("window", window)
-        _contract(super().__init__, kinds[0], block_size, window, kinds[1:], state)
-
-    def to_placement(self) -> placement.GroupSpec:
-        """The contract's GroupSpec value (this one: a GroupSpec is one)."""
-        return self
-
-    def to_proto(self) -> pb.KVCacheGroup:
-        """The contract's KVCacheGroup message."""
-        return _contract(group_to_message, self)
+# One KV-cache group: the contract's own value (kinds by the names docs/placement.md uses, `GroupSpec("mla", 16)`);
+# bad input is refused with the contract's InvalidLayout (a ValueError).
+GroupSpec = placement.GroupSpec
 
 
 @dataclass(frozen=True)
@@ -137,7 +106,7 @@ class SessionSpec:
     layout: EngineLayout
     num_kv_heads: int
     hash_block_size: int
-    groups: tuple[placement.GroupSpec, ...]  # the client's GroupSpec, or the contract's it is
+    groups: tuple[GroupSpec, ...]
     cache_prefix: str = ""
     role: str = "rank"
     hash_bytes: int = 32

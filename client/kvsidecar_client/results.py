@@ -1,10 +1,12 @@
-"""Value types the client returns, built from the daemon's response messages."""
+"""Value types the client returns, built from the daemon's response messages (a lookup's Hit is the contract's own,
+`kvsidecar_contract.mapping.hit_from_message`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from kvsidecar_contract.placement import Hit
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["FailedBlock", "GroupPlacement", "Hit", "LoadResult", "Registration", "SaveResult", "SessionInfo"]
@@ -49,29 +51,6 @@ class SaveResult(NamedTuple):
             message.retained,
             message.unretained,
         )
-
-
-class Hit(NamedTuple):
-    """A lookup's answer: the prefix every group can serve, and the boundary each group's last block is stored under.
-
-    `degraded` means the store (or the daemon) could not be asked: the answer is a miss, not a verdict. Pass the
-    whole Hit to `load` unchanged.
-    """
-
-    hit_tokens: int
-    tail_boundaries: tuple[int, ...]
-    degraded: bool = False
-    detail: str = ""
-
-    @classmethod
-    def from_proto(cls, message: pb.LookupResponse) -> Hit:
-        """From the daemon's LookupResponse."""
-        return cls(message.hit_tokens, tuple(message.tail_boundaries), message.degraded, message.detail)
-
-    @classmethod
-    def miss(cls, num_groups: int, detail: str) -> Hit:
-        """A degraded miss made by the client when the daemon cannot be asked."""
-        return cls(0, (0,) * num_groups, True, detail)
 
 
 class LoadResult(NamedTuple):

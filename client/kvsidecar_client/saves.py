@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections.abc import Callable
 
-from kvsidecar_client.batch import chunks, item_outcomes, save_batch_request
-from kvsidecar_client.errors import ClientClosed, InvalidRequest, SessionLost, SidecarError
+from kvsidecar_client.batch import parts, send
+from kvsidecar_client.errors import ClientClosed
 from kvsidecar_client.jobs import SaveJob
 from kvsidecar_client.results import SaveResult
-from kvsidecar_client.session import LiveSession, SessionKeeper, remaining
+from kvsidecar_client.session import SessionKeeper, remaining
+from kvsidecar_contract.batches import Batch
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["SaveSender"]
@@ -20,47 +22,36 @@ __all__ = ["SaveSender"]
 # Saves run as blocking calls on this many threads per client (the daemon runs 8 at once by default).
 _SAVE_WORKERS = 8
 
-Batch = list[tuple[str, pb.SaveRequest, "concurrent.futures.Future[SaveResult]"]]
+Future = concurrent.futures.Future[SaveResult]
 
 
 class SaveSender:
-    """Sends saves (alone or as one SaveBatch), re-sends them once after a lost session, and tracks those in flight."""
+    """Sends saves (alone or as SaveBatch calls), re-sent once after a lost session (SessionKeeper.call), and tracks
+    those in flight."""
 
     def __init__(self, keeper: SessionKeeper) -> None:
         self._keeper = keeper
-        self._pending: set[concurrent.futures.Future[SaveResult]] = set()
+        self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(_SAVE_WORKERS, "kvsidecar-save")
 
     def send(self, request: pb.SaveRequest, deadline: float) -> SaveJob:
         """Send one Save from a save thread."""
         future = self._future()
-        try:
-            self._pool.submit(self._send_save, request, deadline, future)
-        except RuntimeError:  # the pool is shut down: the client closed
-            future.set_exception(ClientClosed("the client is closed", method="Save"))
+        self._submit("Save", [future], self._send_save, request, deadline, future)
         return SaveJob(future)
 
-    def send_batch(self, requests: dict[str, pb.SaveRequest | InvalidRequest], deadline: float) -> dict[str, SaveJob]:
-        """Send the requests in as few SaveBatch calls as the limits allow; a refused one's job fails at once."""
-        jobs: dict[str, SaveJob] = {}
-        sendable: Batch = []
-        for name, request in requests.items():
-            future = self._future()
-            jobs[name] = SaveJob(future)
-            if isinstance(request, InvalidRequest):
-                future.set_exception(request)
-            else:
-                sendable.append((name, request, future))
-        for batch in chunks(sendable):
-            try:
-                self._pool.submit(self._send_save_batch, batch, deadline)
-            except RuntimeError:  # the pool is shut down: the client closed
-                for _, _, future in batch:
-                    future.set_exception(ClientClosed("the client is closed", method="SaveBatch"))
-        return jobs
+    def send_batch(
+        self, names: list[str], batch: Batch[pb.SaveItem, SaveResult], deadline: float
+    ) -> dict[str, SaveJob]:
+        """Send the batch (its items named `names`, in order) from a save thread, in as few SaveBatch calls as the
+        limits allow; each job completes with its item's outcome once the calls have returned (an item the client
+        refused, with its refusal)."""
+        futures = [self._future() for _ in names]
+        self._submit("SaveBatch", futures, self._send_batch, batch, futures, deadline)
+        return {name: SaveJob(future) for name, future in zip(names, futures, strict=True)}
 
-    def pending(self) -> list[concurrent.futures.Future[SaveResult]]:
+    def pending(self) -> list[Future]:
         """The saves still in flight."""
         with self._pending_lock:
             return list(self._pending)
@@ -69,67 +60,45 @@ class SaveSender:
         """Take no more saves (those in flight finish on their threads)."""
         self._pool.shutdown(wait=False)
 
-    def _send_save(
-        self, request: pb.SaveRequest, deadline: float, future: concurrent.futures.Future[SaveResult]
-    ) -> None:
-        # Runs on a save thread; a lost session is re-opened and the save re-sent once, from here.
-        session = self._keeper.session
-        if session is None:
-            self._save_again(request, None, deadline, future)
-            return
-        request.session_id = session.id
+    def _submit(self, method: str, futures: list[Future], fn: Callable[..., None], *args: object) -> None:
         try:
-            response = self._keeper.rpc("Save", request, remaining(deadline, "Save"))
-        except SessionLost:
-            self._save_again(request, session, deadline, future)
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # the pool is shut down: the client closed
+            for future in futures:
+                future.set_exception(ClientClosed("the client is closed", method=method))
+
+    def _send_save(self, request: pb.SaveRequest, deadline: float, future: Future) -> None:
+        # Runs on a save thread; a lost session is re-opened and the save re-sent once (SessionKeeper.call).
+        try:
+            response = self._keeper.call("Save", request, remaining(deadline, "Save"))
         except Exception as error:
             # A job always completes: the engine waits on it before reusing its blocks.
             future.set_exception(error)
         else:
             future.set_result(SaveResult.from_proto(response))
 
-    def _save_again(
-        self,
-        request: pb.SaveRequest,
-        stale: LiveSession | None,
-        deadline: float,
-        future: concurrent.futures.Future[SaveResult],
-    ) -> None:
-        try:
-            session = self._keeper.recover(stale, deadline, "Save")
-            request.session_id = session.id
-            response = self._keeper.rpc("Save", request, remaining(deadline, "Save"))
-        except Exception as error:
-            # A job always completes: the engine waits on it before reusing its blocks.
-            future.set_exception(error)
-        else:
-            future.set_result(SaveResult.from_proto(response))
+    def _send_batch(self, batch: Batch[pb.SaveItem, SaveResult], futures: list[Future], deadline: float) -> None:
+        # Runs on a save thread; every item of the batch is answered (send), so every job completes.
+        for part in parts(batch):
+            send(self._keeper, "SaveBatch", part, SaveResult, deadline)
+        for future, outcome in zip(futures, batch.outcomes(), strict=True):
+            _complete(future, outcome)
 
-    def _send_save_batch(self, batch: Batch, deadline: float) -> None:
-        # Runs on a save thread; a lost session is re-opened and the batch re-sent once (SessionKeeper.call).
-        names = [name for name, _, _ in batch]
-        try:
-            response = self._keeper.call("SaveBatch", save_batch_request(batch), remaining(deadline, "SaveBatch"))
-            outcomes = item_outcomes("SaveBatch", names, response.results, SaveResult)
-        except Exception as error:
-            # A job always completes: the engine waits on it before reusing its blocks.
-            for _, _, future in batch:
-                future.set_exception(error)
-            return
-        for (_, _, future), outcome in zip(batch, outcomes, strict=True):
-            if isinstance(outcome, SidecarError):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)  # type: ignore[arg-type]
-
-    def _future(self) -> concurrent.futures.Future[SaveResult]:
-        future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+    def _future(self) -> Future:
+        future: Future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # running from the start: a save is never cancelled
         with self._pending_lock:
             self._pending.add(future)
         future.add_done_callback(self._untrack)
         return future
 
-    def _untrack(self, future: concurrent.futures.Future[SaveResult]) -> None:
+    def _untrack(self, future: Future) -> None:
         with self._pending_lock:
             self._pending.discard(future)
+
+
+def _complete(future: Future, outcome: SaveResult | Exception) -> None:
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

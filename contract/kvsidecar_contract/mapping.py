@@ -1,4 +1,5 @@
-"""The session's shape on the wire: the contract's Layout to an OpenSessionRequest and back, one function each way.
+"""The contract's values on the wire: the session's shape (its Layout to an OpenSessionRequest and back) and a
+lookup's Hit, one function each way.
 
 The client sends what `to_message` makes and the daemon runs what `from_message` reads, so the two cannot drift: a
 new field of the shape is added here once per direction (a group's in `group_to_message` / `group_from_message`).
@@ -11,11 +12,14 @@ from kvsidecar_contract.kinds import KIND_OF_PROTO, PROTO_OF_KIND
 from kvsidecar_contract.limits import MAX_GROUPS, MAX_MODEL_CHARS, MAX_NAME_CHARS
 from kvsidecar_contract.placement.errors import InvalidLayout
 from kvsidecar_contract.placement.layout import GroupSpec, Layout, Parallel
+from kvsidecar_contract.placement.lookup import Hit
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.state_wire import state_from_message, state_to_message
 
 __all__ = [
     "from_message",
+    "hit_from_message",
+    "hit_to_message",
     "group_from_message",
     "group_to_message",
     "parallel_from_message",
@@ -146,3 +150,15 @@ def from_message(request: pb.OpenSessionRequest) -> Layout:
         value_identity=request.engine.value_identity,
         share_tp_size=request.share_tp_size,
     )
+
+
+def hit_to_message(hit: Hit) -> pb.LookupResponse:
+    """A lookup's answer as the wire carries it."""
+    return pb.LookupResponse(
+        hit_tokens=hit.hit_tokens, tail_boundaries=hit.tail_boundaries, degraded=hit.degraded, detail=hit.detail
+    )
+
+
+def hit_from_message(message: pb.LookupResponse) -> Hit:
+    """A lookup's answer as the daemon sent it."""
+    return Hit(message.hit_tokens, tuple(message.tail_boundaries), message.degraded, message.detail)

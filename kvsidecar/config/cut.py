@@ -85,7 +85,6 @@ def settings_of(config: Config) -> Settings:
             socket_mode=c.socket_mode,
             socket_group=c.socket_group,
             max_message_bytes=c.max_message_bytes,
-            max_lookup_hashes=c.max_lookup_hashes,
             listen=c.listen,
             tls=TlsSettings(c.tls_cert, c.tls_key, c.tls_client_ca, c.token_file),
             tenants=bool(c.tenants),

@@ -17,7 +17,8 @@ from kvsidecar.fence.guard import Listener
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.factory import Movers
 from kvsidecar.movers.runtime import GpuRuntime
-from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar.rpc.dispatch import Dispatcher
+from kvsidecar.rpc.handlers import Handlers
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
@@ -92,19 +93,24 @@ def build_service(
     *,
     master_address: str = "",
     listeners: Callable[[], list[tuple[Listener, int]]] = list,
-) -> SidecarService:
-    """The Sidecar service over the data path and the sessions, as both transports (gRPC, data socket) call it."""
-    return SidecarService(
+) -> Dispatcher:
+    """The Sidecar service over the data path and the sessions: its handlers, run by the one dispatcher both
+    transports (gRPC, data socket) call."""
+    handlers = Handlers(
         datapath,
         sessions,
         tenancy,
         metrics,
-        workers=settings.workers,
-        lookup_workers=settings.lookup_workers,
-        lookups_per_account=settings.lookups_per_account,
         master_address=master_address,
         side_socket=True,
         listeners=listeners,
         gpu=gpu.describe,
         gpu_failure=lambda: gpu.failure,
+    )
+    return Dispatcher(
+        handlers,
+        metrics,
+        workers=settings.workers,
+        lookup_workers=settings.lookup_workers,
+        lookups_per_account=settings.lookups_per_account,
     )

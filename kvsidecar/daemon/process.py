@@ -39,9 +39,9 @@ from kvsidecar.fence.daemon import DaemonFence, policy_for
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.runtime import GpuRuntime
 from kvsidecar.parsing import parse_address
-from kvsidecar.rpc.datasocket import DataSocket
+from kvsidecar.rpc.datasocket import DataListener
+from kvsidecar.rpc.dispatch import Dispatcher
 from kvsidecar.rpc.servers import DISK_TIER_HEALTH, SERVICE_NAME, create_servers
-from kvsidecar.rpc.servicer import SidecarService
 from kvsidecar.rpc.side import SideChannel
 from kvsidecar.store import Store
 from kvsidecar.tenancy.live import Tenancy
@@ -68,7 +68,7 @@ class Daemon:
     """
 
     # Set once the start has come that far; read only by what runs after it (the housekeeping, health, tests).
-    service: SidecarService
+    dispatcher: Dispatcher
     gpu: GpuRuntime
     _health: health_aio.HealthServicer
 
@@ -144,7 +144,7 @@ class Daemon:
         events = self.kv_events.feed if self.kv_events else NO_EVENTS
         retries = RetryPolicy(call_s=self._store_call_s)
         datapath = build_data_path(s.service, store, self.metrics, tenancy, events, retries)
-        self.service = build_service(
+        self.dispatcher = build_service(
             s.service,
             datapath,
             sessions,
@@ -154,9 +154,9 @@ class Daemon:
             master_address=self.master_address,
             listeners=self.fence.listeners_with_drops,
         )
-        parts.push_async_callback(_in_thread, _release_service, self.service)
-        await self._open_servers(self.service, gid)
-        self._open_data_socket(self.service, gid)
+        parts.push_async_callback(_in_thread, _release_service, self.dispatcher)
+        await self._open_servers(self.dispatcher, gid)
+        self._open_data_socket(self.dispatcher, gid)
         self._report_listeners(metrics_port)
         await self._check_store()
         parts.push_async_callback(self._refuse_new_work)
@@ -166,7 +166,7 @@ class Daemon:
     async def _refuse_new_work(self) -> None:
         """The first of a stop: the health service says NOT_SERVING and new calls are refused."""
         await self._health.enter_graceful_shutdown()
-        self.service.stop_accepting()
+        self.dispatcher.stop_accepting()
 
     async def _open_stores(self) -> Store:
         """The store the data path uses: the given one or Mooncake's (its master embedded or not), the disk tier
@@ -218,11 +218,11 @@ class Daemon:
             raise DaemonError(str(exc)) from None
         return events
 
-    async def _open_servers(self, service: SidecarService, gid: int | None) -> None:
+    async def _open_servers(self, dispatcher: Dispatcher, gid: int | None) -> None:
         s = self.settings
-        tenancy, sessions = service.tenancy, service.sessions
+        tenancy, sessions = dispatcher.handlers.tenancy, dispatcher.handlers.sessions
         with self.loopback.host():
-            servers, self._health, self.addresses = create_servers(service, s.servers, self.metrics, gid)
+            servers, self._health, self.addresses = create_servers(dispatcher, s.servers, self.metrics, gid)
             side = SideChannel(side_socket_path(s.socket.path), tenancy.tickets, sessions.accept_fds)
             self._parts.push_async_callback(_stop_servers, servers, side)
             side.bind(s.socket.mode, gid)
@@ -230,11 +230,12 @@ class Daemon:
             for server in servers:
                 await server.start()
 
-    def _open_data_socket(self, service: SidecarService, gid: int | None) -> None:
+    def _open_data_socket(self, dispatcher: Dispatcher, gid: int | None) -> None:
         # A Unix path reaches the same socket from any network namespace: its connection threads start here, where
         # the data pool's do (inside the loopback guard), since they call the store.
         s = self.settings
-        data_socket = DataSocket(data_socket_path(s.socket.path), service, self.metrics, s.service.max_message_bytes)
+        path, sessions = data_socket_path(s.socket.path), dispatcher.handlers.sessions
+        data_socket = DataListener(path, dispatcher, sessions, self.metrics, s.service.max_message_bytes)
         self._parts.push_async_callback(_in_thread, data_socket.stop, SHUTDOWN_GRACE_S)
         data_socket.bind(s.socket.mode, gid)
         data_socket.start()
@@ -322,8 +323,8 @@ class Daemon:
         self.master_address = master.address
 
     async def _check_store(self) -> None:
-        assert self.service is not None and self._health is not None
-        health = await asyncio.get_running_loop().run_in_executor(None, self.service.refresh_health)
+        assert self.dispatcher is not None and self._health is not None
+        health = await asyncio.get_running_loop().run_in_executor(None, self.dispatcher.handlers.refresh_health)
         self.metrics.store_healthy.set(1 if health.healthy else 0)
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -337,12 +338,13 @@ class Daemon:
             await self._health.set(DISK_TIER_HEALTH, not_serving if self.disk_tier.engine.not_writing() else serving)
 
     async def _housekeep(self) -> None:
-        assert self.service is not None
+        assert self.dispatcher is not None
+        handlers = self.dispatcher.handlers
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
-            await loop.run_in_executor(None, self.service.sessions.expire)
-            self.service.datapath.retention.report()  # retained bytes whose time ran out leave the gauges
+            await loop.run_in_executor(None, handlers.sessions.expire)
+            handlers.datapath.retention.report()  # retained bytes whose time ran out leave the gauges
             if self.disk_tier is not None:
                 await loop.run_in_executor(None, self.disk_tier.housekeep)
             # Only a daemon that set up Mooncake itself owns the listeners of its process: a store handed in (tests)
@@ -396,11 +398,11 @@ async def _stop_servers(servers: list[grpc.aio.Server], side: SideChannel) -> No
     await _in_thread(side.stop)
 
 
-def _release_service(service: SidecarService) -> None:
-    """Every session's memory released, the service's pools shut down, the retention's work stopped."""
-    service.sessions.close_all()
-    service.shutdown_pools()
-    service.datapath.retention.stop()
+def _release_service(dispatcher: Dispatcher) -> None:
+    """Every session's memory released, the dispatcher's pools shut down, the retention's work stopped."""
+    dispatcher.handlers.sessions.close_all()
+    dispatcher.shutdown()
+    dispatcher.handlers.datapath.retention.stop()
 
 
 def _restart_master(master: EmbeddedMaster) -> None:

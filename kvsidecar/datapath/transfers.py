@@ -11,7 +11,7 @@ import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import NamedTuple
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
@@ -28,7 +28,8 @@ from kvsidecar.sessions.session import Session
 from kvsidecar.store import Presence, Store, StoreCode
 from kvsidecar.tenancy.budget import WriteBudget
 from kvsidecar.tenancy.retention import RetentionLedger
-from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, LookupOutcome, RetentionArgs, SaveArgs, SaveOutcome
+from kvsidecar.values import LoadArgs, LoadOutcome, LookupArgs, RetentionArgs, SaveArgs, SaveOutcome
+from kvsidecar_contract.batches import Batch
 from kvsidecar_contract.limits import MAX_HASHES
 from kvsidecar_contract.placement import (
     KEY_TAIL_PATTERN,
@@ -45,8 +46,6 @@ from kvsidecar_contract.placement import (
 __all__ = ["DataPath"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class DataPath:
@@ -83,67 +82,65 @@ class DataPath:
         deadline (time.monotonic()) is the client's: past it the engine may reuse the blocks, so a put that has
         not started is skipped, and values written after it are removed again rather than served as wrong bytes.
         """
-        (out,) = self.save_many(session, [request], deadline)
-        if isinstance(out, Exception):
-            raise out
-        return out
+        batch: Batch[SaveArgs, SaveOutcome] = Batch([request])
+        self.save_many(session, batch, deadline)
+        return batch.result()
 
-    def save_many(
-        self, session: Session, requests: Sequence[SaveArgs], deadline: float | None = None
-    ) -> list[SaveOutcome | Exception]:
-        """Several requests' saves (an engine step) with one existence check and one batch put for all of them.
+    def save_many(self, session: Session, batch: Batch[SaveArgs, SaveOutcome], deadline: float | None = None) -> None:
+        """Several requests' saves (an engine step) with one existence check and one batch put for all of them,
+        each open request of the batch answered on its own, as `save` would answer it.
 
-        Each request is planned on its own: one whose plan is refused (bad block ids, inconsistent counts) gets
-        its error in its place and the others go on. Results are each request's own, as `save` would answer it.
+        A request whose plan is refused (bad block ids, inconsistent counts) gets its error and the others go on.
         """
         mover = session.require_mover()
         memory = mover.memory
-        out: list[SaveOutcome | Exception | None] = [None] * len(requests)
-        plans: list[tuple[int, SavePlan]] = []
-        for i, r in enumerate(requests):
-            try:
-                self.retention.check(session, r.retention)
-                plan = save_plan(session.geometry, r.hashes, r.block_ids, r.num_tokens, r.saved)
-            except Exception as exc:
-                out[i] = exc
-                continue
-            if plan.chunks:
-                plans.append((i, plan))
-            else:
-                out[i] = SaveOutcome(0, 0, (), plan.others, 0, plan.absent)
-        if plans:
-            with _holding(memory):
-                staged: list[tuple[int, SavePlan]] = []
-                for i, plan in plans:
-                    try:
-                        mover.check(plan.chunks)
-                        staged.append((i, plan))
-                    except Exception as exc:
-                        out[i] = exc
-                chunks = [c for _, plan in staged for c in plan.chunks]
-                wants = (
-                    [requests[i].retention for i, plan in staged for _ in plan.chunks]
-                    if any(r.retention is not None for r in requests)
-                    else [None] * len(chunks)
-                )
-                results, kept = (
-                    self._put_missing(session, mover, chunks, deadline, wants) if chunks else ([], RetentionPlan())
-                )
-            start = 0
-            for i, plan in staged:
-                end = start + len(plan.chunks)
-                if isinstance(results, StoreCode):  # the existence check failed: nothing was written
-                    out[i] = save_failed(self.metrics, session, plan.chunks, results, plan.others)
-                else:
-                    mine = results[start:end]
-                    retained, unretained = kept.counts(start, end, lambda j: results[j] is Saved.WRITTEN)
-                    outcome = save_outcome(self.metrics, session, memory, plan, mine)
-                    out[i] = outcome._replace(retained=retained, unretained=unretained)
-                    r = requests[i]
-                    written = [c for c, result in zip(plan.chunks, mine, strict=True) if result is Saved.WRITTEN]
-                    self.events.stored(session.tenant, session.geometry, r.hashes, written, r.tokens, r.tokens_start)
-                start = end
-        return _filled(out)
+        saves = batch.step(lambda r: _Save(r, self._save_plan(session, r)))
+        saves.settle(lambda s: None if s.plan.chunks else SaveOutcome(0, 0, (), s.plan.others, 0, s.plan.absent))
+        if not saves.open():
+            return
+        with _holding(memory):
+            saves.vet(lambda s: mover.check(s.plan.chunks))
+            staged = saves.open()
+            chunks = [c for s in staged for c in s.plan.chunks]
+            wants = (
+                [s.args.retention for s in staged for _ in s.plan.chunks]
+                if any(s.args.retention is not None for s in staged)
+                else [None] * len(chunks)
+            )
+            results, kept = (
+                self._put_missing(session, mover, chunks, deadline, wants) if chunks else ([], RetentionPlan())
+            )
+        if isinstance(results, StoreCode):  # the existence check failed: nothing was written
+            code = results
+            saves.settle(lambda s: save_failed(self.metrics, session, s.plan.chunks, code, s.plan.others))
+            return
+        saves.answer_spans(
+            lambda s: len(s.plan.chunks), lambda s, span: self._saved(session, memory, s, results, span, kept)
+        )
+
+    def _save_plan(self, session: Session, request: SaveArgs) -> SavePlan:
+        self.retention.check(session, request.retention)
+        return save_plan(session.geometry, request.hashes, request.block_ids, request.num_tokens, request.saved)
+
+    def _saved(
+        self,
+        session: Session,
+        memory: SessionMemory,
+        save: _Save,
+        results: Sequence[ChunkResult],
+        span: slice,
+        kept: RetentionPlan,
+    ) -> SaveOutcome:
+        """One request's save from its chunks' results (its span of the batch's), counted and told to events."""
+        plan, request = save.plan, save.args
+        mine = results[span]
+        retained, unretained = kept.counts(span.start, span.stop, lambda j: results[j] is Saved.WRITTEN)
+        outcome = save_outcome(self.metrics, session, memory, plan, mine)
+        written = [c for c, result in zip(plan.chunks, mine, strict=True) if result is Saved.WRITTEN]
+        self.events.stored(
+            session.tenant, session.geometry, request.hashes, written, request.tokens, request.tokens_start
+        )
+        return outcome._replace(retained=retained, unretained=unretained)
 
     def _put_missing(
         self,
@@ -205,7 +202,7 @@ class DataPath:
         self.retention.settle(kept, lambda j: results[j] is Saved.WRITTEN)
         return results, kept
 
-    def lookup(self, session: Session, request: LookupArgs) -> LookupOutcome:
+    def lookup(self, session: Session, request: LookupArgs) -> Hit:
         """Probe in stages, each one batch, only what can still change the answer; a store failure is a miss."""
         if len(request.hashes) > self.max_lookup_hashes:
             # One call's work holds the GIL and a lookup thread for all of it: bounded, so others' lookups go on.
@@ -231,77 +228,68 @@ class DataPath:
             except StoreError as exc:
                 self.metrics.store_errors.labels("exists", exc.code.value).inc()
                 self.metrics.lookup_requests.labels("degraded").inc()
-                return LookupOutcome(Hit(0, (0,) * len(geo.groups)), True, f"store unavailable: {exc.reason}")
+                return Hit.miss(len(geo.groups), f"store unavailable: {exc.reason}")
             # C-level passes: a full hit on a 128k-token prompt at T=8 with three groups probes ~140k keys.
             staged.record(list(map(operator.is_, presence, itertools.repeat(Presence.PRESENT))))
             unknown += presence.count(Presence.UNKNOWN)
         hit = staged.answer()
-        self.metrics.lookup_hit_tokens.inc(hit.tokens)
+        self.metrics.lookup_hit_tokens.inc(hit.hit_tokens)
         if session.tenant:
-            self.metrics.tenant_lookup_hit_tokens.labels(session.tenant).inc(hit.tokens)
+            self.metrics.tenant_lookup_hit_tokens.labels(session.tenant).inc(hit.hit_tokens)
         # Unanswered probes count as missing (never as hits); the answer says it may be shorter than the truth.
         if unknown:
             self.metrics.lookup_requests.labels("degraded").inc()
-            return LookupOutcome(hit, True, f"{unknown} of {staged.probes} existence probes failed")
-        self.metrics.lookup_requests.labels("hit" if hit.tokens else "miss").inc()
-        return LookupOutcome(hit, False, "")
+            return hit._replace(degraded=True, detail=f"{unknown} of {staged.probes} existence probes failed")
+        self.metrics.lookup_requests.labels("hit" if hit.hit_tokens else "miss").inc()
+        return hit
 
     def load(self, session: Session, request: LoadArgs, deadline: float | None = None) -> LoadOutcome:
         """Read the hit's chunks straight into engine memory with one batch get; name every block that failed.
 
         deadline (time.monotonic()) is the client's: a transient store failure is tried again only while the retry
         can end before it."""
-        (out,) = self.load_many(session, [request], deadline)
-        if isinstance(out, Exception):
-            raise out
-        return out
+        batch: Batch[LoadArgs, LoadOutcome] = Batch([request])
+        self.load_many(session, batch, deadline)
+        return batch.result()
 
-    def load_many(
-        self, session: Session, requests: Sequence[LoadArgs], deadline: float | None = None
-    ) -> list[LoadOutcome | Exception]:
-        """Several requests' loads (an engine step) with one batch get for all of them, each answered on its own.
-
-        A request whose plan is refused gets its error in its place; nothing is read for it.
-        """
+    def load_many(self, session: Session, batch: Batch[LoadArgs, LoadOutcome], deadline: float | None = None) -> None:
+        """Several requests' loads (an engine step) with one batch get for all of them, each open request of the
+        batch answered on its own. A request whose plan is refused gets its error; nothing is read for it."""
         mover = session.require_mover()
         memory = mover.memory
-        kinds = kinds_of(session)
-        out: list[LoadOutcome | Exception | None] = [None] * len(requests)
-        planned: list[tuple[int, list[Chunk], list[Chunk]]] = []  # (request, its chunks, its NO_BLOCK chunks)
-        for i, r in enumerate(requests):
-            try:
-                self.retention.check(session, r.retention)
-                plan = load_plan(session.geometry, r.hashes, r.block_ids, r.hit_tokens, r.tails, r.start_tokens)
-            except Exception as exc:
-                out[i] = exc
-                continue
-            # A span without a block cannot receive its value: the engine recomputes it.
-            nowhere = [c for c in plan if c.block_id == NO_BLOCK]
+        loads = batch.step(lambda r: self._load_plan(session, r))
+        with _holding(memory):
+            loads.vet(lambda load: mover.check(load.reads))
+            every = [c for load in loads.open() for c in load.reads]
+            codes = self._get(mover, every, deadline) if every else []
+        loads.answer_spans(
+            lambda load: len(load.reads), lambda load, span: self._loaded(session, memory, load, codes[span])
+        )
+
+    def _load_plan(self, session: Session, request: LoadArgs) -> _Load:
+        """A request's chunks to read (of the groups it carries), apart from those without a block (counted failed:
+        the engine recomputes them)."""
+        self.retention.check(session, request.retention)
+        r = request
+        plan = load_plan(session.geometry, r.hashes, r.block_ids, r.hit_tokens, r.tails, r.start_tokens, r.carried)
+        nowhere = [c for c in plan if c.block_id == NO_BLOCK]
+        if nowhere:
+            kinds = kinds_of(session)
             for c in nowhere:
                 if c.part == 0:  # one block, however many values per KV head it is cut into (rule 11)
                     self.metrics.load_failed_blocks.labels(kinds[c.group], Reason.NO_BLOCK.value).inc()
-            planned.append((i, [c for c in plan if c.block_id != NO_BLOCK], nowhere))
-        with _holding(memory):
-            staged: list[tuple[int, list[Chunk], list[Chunk]]] = []
-            for i, reads, nowhere in planned:
-                try:
-                    mover.check(reads)
-                    staged.append((i, reads, nowhere))
-                except Exception as exc:
-                    out[i] = exc
-            every = [c for _, reads, _ in staged for c in reads]
-            codes = self._get(mover, every, deadline) if every else []
-        start = 0
-        for i, reads, nowhere in staged:
-            end = start + len(reads)
-            out[i] = outcome = load_outcome(self.metrics, session, memory, reads, nowhere, codes[start:end])
-            want = requests[i].retention
-            if want is not None:
-                read = [c for c, code in zip(reads, codes[start:end], strict=True) if code is StoreCode.OK]
-                retained, unretained = self.retention.touch(session, memory, read, want)
-                out[i] = outcome._replace(retained=retained, unretained=unretained)
-            start = end
-        return _filled(out)
+            plan = tuple(c for c in plan if c.block_id != NO_BLOCK)
+        return _Load(request, plan, nowhere)
+
+    def _loaded(self, session: Session, memory: SessionMemory, load: _Load, codes: Sequence[Loaded]) -> LoadOutcome:
+        """One request's load from its chunks' codes, counted; what it read retained as it asked."""
+        outcome = load_outcome(self.metrics, session, memory, load.reads, load.nowhere, codes)
+        want = load.args.retention
+        if want is None:
+            return outcome
+        read = [c for c, code in zip(load.reads, codes, strict=True) if code is StoreCode.OK]
+        retained, unretained = self.retention.touch(session, memory, read, want)
+        return outcome._replace(retained=retained, unretained=unretained)
 
     def _get(self, mover: Mover, chunks: Sequence[Chunk], deadline: float | None) -> list[Loaded]:
         """Each chunk's read into its block; a key read into n blocks (n requests of a step sharing a prefix) is
@@ -363,11 +351,19 @@ class DataPath:
             self.metrics.store_operation_seconds.labels(operation).observe(time.perf_counter() - start)
 
 
-def _filled(out: list[T | None]) -> list[T]:
-    """Every request's answer (each is set exactly once above)."""
-    if any(o is None for o in out):
-        raise AssertionError("a request of the batch was left unanswered")
-    return [o for o in out if o is not None]
+class _Save(NamedTuple):
+    """A save request with its plan."""
+
+    args: SaveArgs
+    plan: SavePlan
+
+
+class _Load(NamedTuple):
+    """A load request with the chunks it reads and those it has no block for."""
+
+    args: LoadArgs
+    reads: Sequence[Chunk]
+    nowhere: Sequence[Chunk]
 
 
 def _past(deadline: float | None) -> bool:

@@ -2,10 +2,10 @@
 (`kvsidecar_contract.frames`).
 
 Each connection is bound to one session by its first frame (the session's side secret, from the uid that opened it)
-and served by one daemon thread that reads a call, runs its method's handler (handlers.py, the same as gRPC's) to
+and served by one daemon thread that reads a call, has the dispatcher run it (dispatch.py, the same as gRPC's) to
 the store and writes the answer: no event loop, no pool hop, no HTTP/2. A frame's number names its method-table row
-(`kvsidecar_contract.methods`); the handlers decide everything a gRPC call's would (`answer_frame`), and a refusal
-carries the same code and reason.
+(`kvsidecar_contract.methods`); the dispatcher decides everything a gRPC call's would, and a refusal carries the
+same code and reason.
 
 A connection whose HELLO says "liveness" is its session's liveness: the session never expires while it is open
 (a busy engine whose KeepAlives come late keeps it), and is released as soon as it closes, which the kernel does
@@ -27,15 +27,17 @@ import time
 
 from kvsidecar.errors import BadRequest, Exhausted, RequestError
 from kvsidecar.metrics import Metrics
-from kvsidecar.rpc.handlers import Handlers
+from kvsidecar.rpc.dispatch import Dispatcher
+from kvsidecar.rpc.handlers import Call
 from kvsidecar.rpc.statuses import status_of
 from kvsidecar.rpc.unixsocket import UnixListener
+from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.sessions.session import Session
 from kvsidecar.tenancy.tickets import PeerCred
 from kvsidecar_contract import frames
 from kvsidecar_contract.methods import BY_FRAME
 
-__all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataSocket"]
+__all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "DataListener"]
 
 
 MAX_CONNECTIONS = 512
@@ -48,7 +50,7 @@ class _Closed(Exception):
     """The peer closed its end (or the daemon shut the connection's read side down to stop)."""
 
 
-class DataSocket(UnixListener):
+class DataListener(UnixListener):
     """The data socket's listener: a thread accepting connections, one thread serving each."""
 
     KIND = socket.SOCK_STREAM
@@ -59,9 +61,12 @@ class DataSocket(UnixListener):
     TOTAL, TOTAL_NAME = MAX_CONNECTIONS, "MAX_CONNECTIONS"
     PER_UID, PER_UID_NAME = MAX_CONNECTIONS_PER_UID, "MAX_CONNECTIONS_PER_UID"
 
-    def __init__(self, path: str, service: Handlers, metrics: Metrics, max_message_bytes: int) -> None:
+    def __init__(
+        self, path: str, dispatcher: Dispatcher, sessions: SessionRegistry, metrics: Metrics, max_message_bytes: int
+    ) -> None:
         super().__init__(path)
-        self.service = service
+        self.dispatcher = dispatcher
+        self.sessions = sessions
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self._open_lock = threading.Lock()
@@ -114,7 +119,7 @@ class DataSocket(UnixListener):
         with session.lock:
             session.data_connections += 1
         if liveness:
-            self.service.sessions.hold(session)
+            self.sessions.hold(session)
         try:
             self._bound_calls(conn, session.id, peer)
         finally:
@@ -122,7 +127,7 @@ class DataSocket(UnixListener):
                 session.data_connections -= 1
             if liveness:
                 # Its process closed it: it exited or died (a daemon stopping ends the session anyway).
-                self.service.sessions.let_go(session)
+                self.sessions.let_go(session)
 
     def _bound_calls(self, conn: socket.socket, session_id: str, peer: PeerCred) -> None:
         conn.settimeout(None)
@@ -162,7 +167,7 @@ class DataSocket(UnixListener):
                 or not isinstance(hello.get(frames.LIVENESS, False), bool)
             ):
                 raise BadRequest('a HELLO frame is the JSON object {"session": ID, "secret": HEX[, "liveness": BOOL]}')
-            session = self.service.sessions.proven(hello["session"], hello["secret"], peer)
+            session = self.sessions.proven(hello["session"], hello["secret"], peer)
         except RequestError as exc:
             code, reason = status_of(exc)
             _send_reply(conn, code.value[0], reason.encode())
@@ -180,11 +185,12 @@ class DataSocket(UnixListener):
             known = ", ".join(f"{number} {row.name}" for number, row in BY_FRAME.items())
             reason = f"unknown data-socket method {method_id}: one of {known}"
             return _code(BadRequest(reason)), reason.encode()
+        self.metrics.data_socket_requests.labels(method.name).inc()
         try:
-            left = time_left if time_left > 0 else None
-            response = self.service.answer_frame(method.name, body, session_id, left, peer)
+            call = Call.of_peer(peer, time_left if time_left > 0 else None)
+            response = self.dispatcher.run_here(method, body, call, bound_to=session_id)
         except Exception as exc:
-            code, reason = self.service.refused(method.name, exc)
+            code, reason = self.dispatcher.refused(method.name, exc)
             return code.value[0], reason.encode()
         return frames.OK, response.SerializeToString()
 

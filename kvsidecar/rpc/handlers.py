@@ -1,44 +1,37 @@
 """The Sidecar service's handlers, one plain call per method-table row (`kvsidecar_contract.methods`):
 `handler(request, call) -> response`, whichever way the call came in.
 
-A handler unpacks (wire), calls the data path, the sessions or tenancy, and replies (wire); it runs in its row's pool
-(gRPC, `servicer.py`) or on the data-socket connection's thread (`datasocket.py`), after `admit`. Failures are raised
-as the domain's errors; each transport turns them into a status at its one boundary (statuses.py via `refused`).
-Grants and refusals are tenancy's, not decided here. Adding a method: its row in the table, and one `@handles`
-method here.
+A handler unpacks (wire), calls the data path, the sessions or tenancy, and replies (wire); the dispatcher
+(dispatch.py) runs it as its row says, for the gRPC servicer and the data socket alike. Failures are raised as the
+domain's errors and become statuses at one boundary (statuses.py); a batch answers each item's own refusal in its
+result. Grants and refusals are tenancy's, not decided here. Adding a method: its row in the table, and one
+`@handles` method here.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
-
 from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.errors import BadRequest, Forbidden, ShuttingDown
 from kvsidecar.fence.guard import Listener
 from kvsidecar.metrics import Metrics
 from kvsidecar.rpc import wire
-from kvsidecar.rpc.gates import AccountGates
 from kvsidecar.rpc.retention import drop_response, usage_messages
-from kvsidecar.rpc.statuses import SESSION_ERRORS, status_of
+from kvsidecar.rpc.statuses import SESSION_ERRORS, refused
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import StoreHealth
 from kvsidecar.tenancy.live import Tenancy
 from kvsidecar.tenancy.table import Caller
 from kvsidecar.tenancy.tickets import PeerCred
-from kvsidecar_contract.methods import BY_NAME, Method
+from kvsidecar.values import LoadArgs, LoadOutcome, SaveArgs, SaveOutcome
+from kvsidecar_contract.batches import Batch
+from kvsidecar_contract.methods import BY_NAME
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 __all__ = ["HANDLERS", "Call", "Handlers", "handles"]
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Handler = Callable[["Handlers", Any, "Call"], Any]
@@ -82,8 +75,8 @@ class Call:
 
 
 class Handlers:
-    """kvsidecar.v1.Sidecar's handlers over a data path, a session registry, tenancy, two thread pools and the
-    slots both ways in share."""
+    """kvsidecar.v1.Sidecar's handlers over a data path, a session registry and tenancy: one per method-table row,
+    whichever way in its call came (the dispatcher runs them)."""
 
     def __init__(
         self,
@@ -92,9 +85,6 @@ class Handlers:
         tenancy: Tenancy,
         metrics: Metrics,
         *,
-        workers: int = 8,
-        lookup_workers: int = 2,
-        lookups_per_account: int = 1,
         master_address: str = "",
         side_socket: bool = False,
         listeners: Callable[[], list[tuple[Listener, int]]] = list,
@@ -117,79 +107,6 @@ class Handlers:
         # the event loop would stall every tenant's requests.
         self.health = StoreHealth(False, "not checked yet")
         self._started = time.monotonic()
-        # Lookups are on the scheduler's critical path: they never queue behind a big save or load.
-        self._pools = {
-            "data": ThreadPoolExecutor(workers, thread_name_prefix="kvsidecar-data"),
-            "lookup": ThreadPoolExecutor(lookup_workers, thread_name_prefix="kvsidecar-lookup"),
-        }
-        # Gated calls (lookups) over gRPC and over the data socket share these slots: as many as the lookup pool's
-        # threads.
-        self._lookup_gates = AccountGates(lookups_per_account, lookup_workers)
-        # Calls of the data pool run on at most `workers` threads at once, the data pool's and the data socket's
-        # (rpc/datasocket.py) together.
-        self._data_slots = threading.BoundedSemaphore(workers)
-        self._stopping = False
-
-    def stop_accepting(self) -> None:
-        """New requests are answered UNAVAILABLE from now on."""
-        self._stopping = True
-
-    def shutdown_pools(self) -> None:
-        """Wait for running store calls to finish."""
-        for pool in self._pools.values():
-            pool.shutdown(wait=True)
-
-    def in_data_slot(self, work: Callable[[], T]) -> T:
-        """Run work holding one of the data slots."""
-        with self._data_slots:
-            return work()
-
-    def refused(self, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
-        """A failed call's status and reason, counted per method and logged (INTERNAL with its traceback)."""
-        code, reason = status_of(exc)
-        self.metrics.requests_rejected.labels(method, code.name).inc()
-        if code is grpc.StatusCode.INTERNAL:
-            log.error("%s failed", method, exc_info=exc)
-        else:
-            log.debug("%s refused: %s: %s", method, code.name, reason)
-        return code, reason
-
-    def admit(self, method: Method, request: Any, call: Call, bound_to: str | None = None) -> Callable[[], Any]:
-        """The call's work, after the checks every way in makes: a parsable request (bound_to: of that session
-        alone), a daemon still serving."""
-        if isinstance(request, wire.Undecodable):
-            raise BadRequest(str(request))
-        if bound_to is not None and request.session_id != bound_to:
-            raise Forbidden("this data-socket connection is bound to another session: open one per session")
-        if self._stopping:
-            raise ShuttingDown("the daemon is shutting down")
-        handler = HANDLERS[method.name]
-        return lambda: handler(self, request, call)
-
-    def answer_frame(
-        self,
-        method: str,
-        body: bytes | bytearray,
-        session_id: str,
-        time_left: float | None,
-        peer: PeerCred | None = None,
-    ) -> Any:
-        """One data-socket call, run on the calling thread: the response message, or raises what the gRPC call
-        would have been refused with (the caller maps it with `refused`).
-
-        The connection is bound to session_id; a request naming another session is refused. A gated call waits for
-        its account's slot at most time_left; a call of the data pool holds one of the data slots.
-        """
-        row = BY_NAME[method]
-        self.metrics.requests.labels(method).inc()
-        self.metrics.data_socket_requests.labels(method).inc()
-        # Sizes are bounded as over gRPC, by the current limits.
-        request = wire.request_parser(row, self.datapath.max_lookup_hashes)(body)
-        work = self.admit(row, request, Call.of_peer(peer, time_left), bound_to=session_id)
-        if row.gate:
-            with self._lookup_gates.hold_blocking(self.sessions.account_of(session_id), time_left):
-                return self.in_data_slot(work) if row.pool == "data" else work()
-        return self.in_data_slot(work) if row.pool == "data" else work()
 
     def refresh_health(self) -> StoreHealth:
         """Ask the store how it is (blocking; the daemon does it once a second off the event loop)."""
@@ -236,9 +153,11 @@ class Handlers:
             self.metrics.batch_items.labels("SaveBatch").inc(len(items))
             session.require_memory()  # a session that may not save or load fails the batch, whatever its items
             groups = len(session.layout.groups)
-            args = [_item(wire.save_args, item, session.hash_bytes, groups) for _, item in items]
-            outs = self.datapath.save_many(session, [a for a in args if not isinstance(a, Exception)], call.deadline)
-        results = self._answers("SaveBatch", items, args, outs, pb.SaveItemResult, wire.save_response)
+            batch: Batch[SaveArgs, SaveOutcome] = Batch(items).step(
+                lambda item: wire.save_args(item.request, session.hash_bytes, groups)
+            )
+            self.datapath.save_many(session, batch, call.deadline)
+        results = self._results("SaveBatch", items, batch, pb.SaveItemResult, wire.save_response)
         return pb.SaveBatchResponse(results=results)
 
     @handles("Lookup")
@@ -261,9 +180,11 @@ class Handlers:
             self.metrics.batch_items.labels("LoadBatch").inc(len(items))
             session.require_memory()  # a session that may not save or load fails the batch, whatever its items
             groups = len(session.layout.groups)
-            args = [_item(wire.load_args, item, session.hash_bytes, groups) for _, item in items]
-            outs = self.datapath.load_many(session, [a for a in args if not isinstance(a, Exception)], call.deadline)
-        results = self._answers("LoadBatch", items, args, outs, pb.LoadItemResult, wire.load_response)
+            batch: Batch[LoadArgs, LoadOutcome] = Batch(items).step(
+                lambda item: wire.load_args(item.request, session.hash_bytes, groups)
+            )
+            self.datapath.load_many(session, batch, call.deadline)
+        results = self._results("LoadBatch", items, batch, pb.LoadItemResult, wire.load_response)
         return pb.LoadBatchResponse(results=results)
 
     @handles("Reset")
@@ -305,42 +226,28 @@ class Handlers:
         self.tenancy.check_operator(call.caller(), "DropRetention")
         return drop_response(self.datapath.retention.drop(request.tenant))
 
-    def _answers(
+    def _results(
         self,
         method: str,
-        items: Sequence[tuple[str, Any]],
-        args: Sequence[Any],
-        outs: Sequence[Any],
+        items: Sequence[Any],
+        batch: Batch[Any, Any],
         result: Callable[..., T],
         response: Callable[[Any], Any],
     ) -> list[T]:
-        """Each item's result under its name: its refusal (args) or the data path's answer (outs, in order)."""
-        done = iter(outs)
-        answers = []
-        for (name, _), arg in zip(items, args, strict=True):
-            out = arg if isinstance(arg, Exception) else next(done)
-            if isinstance(out, Exception):
-                answers.append(result(name=name, error=self._item_error(method, out)))
-            else:
-                answers.append(result(name=name, response=response(out)))
-        return answers
-
-    def _item_error(self, method: str, exc: Exception) -> pb.ItemError:
-        """A batch item's own refusal, counted and logged as a lone call's; session errors fail the whole batch."""
-        if isinstance(exc, SESSION_ERRORS):
-            raise exc
-        code, reason = self.refused(method, exc)
-        return wire.item_error(code, reason)
+        """Each item's result under its name: its response, or its own refusal (counted and logged as a lone call's).
+        An error about the session or the daemon fails the whole batch instead."""
+        out = []
+        for item, outcome in zip(items, batch.outcomes(), strict=True):
+            if not isinstance(outcome, Exception):
+                out.append(result(name=item.name, response=response(outcome)))
+                continue
+            if isinstance(outcome, SESSION_ERRORS):
+                raise outcome
+            code, reason = refused(self.metrics, method, outcome)
+            out.append(result(name=item.name, error=wire.item_error(code, reason)))
+        return out
 
 
 _UNHANDLED = sorted(set(BY_NAME) - set(HANDLERS))
 if _UNHANDLED:
     raise AssertionError(f"method-table rows without a handler: {_UNHANDLED}")
-
-
-def _item(convert: Callable[..., T], *args: Any) -> T | Exception:
-    """A batch item's values, or why it is refused (that item alone)."""
-    try:
-        return convert(*args)
-    except Exception as exc:
-        return exc

@@ -16,7 +16,8 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.parsing import parse_address
 from kvsidecar.rpc import wire
 from kvsidecar.rpc.auth import TlsSettings, TokenAuth, check_files_exist, read_token, server_credentials
-from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar.rpc.dispatch import Dispatcher
+from kvsidecar.rpc.servicer import sidecar_service
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DISK_TIER_HEALTH", "SERVICE_NAME", "ServerSettings", "create_servers"]
 
@@ -34,7 +35,6 @@ class ServerSettings:
     socket_mode: int
     socket_group: str  # its name, for the refusal; the gid is resolved by the caller
     max_message_bytes: int
-    max_lookup_hashes: int
     listen: str  # host:port of the TLS listener, "" for none
     tls: TlsSettings
     # Without client certificates, a tenants file's tokens guard the listener (as --token-file's does).
@@ -42,7 +42,7 @@ class ServerSettings:
 
 
 def _server(
-    service: SidecarService, health: health_aio.HealthServicer, config: ServerSettings, **kw: Any
+    dispatcher: Dispatcher, health: health_aio.HealthServicer, config: ServerSettings, **kw: Any
 ) -> grpc.aio.Server:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -52,7 +52,7 @@ def _server(
     server = grpc.aio.server(options=options, **kw)
     # A Lookup's request is parsed on the event loop, before --max-lookup-hashes could refuse it: its size is
     # refused first (its row's limit), so one account's huge lookups cannot stall every other call (docs/security.md).
-    server.add_generic_rpc_handlers((wire.sidecar_handlers(service, config.max_lookup_hashes),))
+    server.add_generic_rpc_handlers((sidecar_service(dispatcher),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
@@ -60,12 +60,12 @@ def _server(
 
 
 def create_servers(
-    service: SidecarService, config: ServerSettings, metrics: Metrics, socket_gid: int | None
+    dispatcher: Dispatcher, config: ServerSettings, metrics: Metrics, socket_gid: int | None
 ) -> tuple[list[grpc.aio.Server], health_aio.HealthServicer, list[str]]:
     """The Unix-socket server (on a path the caller has claimed) and, with --listen, an authenticated TLS one;
     bound, not started."""
     health = health_aio.HealthServicer()
-    unix = _server(service, health, config)
+    unix = _server(dispatcher, health, config)
     # The socket file appears at bind time; a tight umask keeps it private until its mode is set.
     old = os.umask(0o177)
     try:
@@ -83,7 +83,7 @@ def create_servers(
         check_files_exist(config.tls)
         interceptors = []
         refused = metrics.requests_rejected
-        tenancy = service.tenancy
+        tenancy = dispatcher.handlers.tenancy
         # With client certificates, a tenants file's own credentials decide at OpenSession; without them the
         # tenants' tokens guard the listener, as --token-file's does.
         if config.tls.token_file or (config.tenants and not config.tls.client_ca):
@@ -91,7 +91,7 @@ def create_servers(
             interceptors.append(
                 TokenAuth(token, lambda method: refused.labels(method, "UNAUTHENTICATED").inc(), tenancy.token_hashes)
             )
-        tcp = _server(service, health, config, interceptors=interceptors)
+        tcp = _server(dispatcher, health, config, interceptors=interceptors)
         port = tcp.add_secure_port(config.listen, server_credentials(config.tls))
         if not port:
             raise DaemonError(f"cannot listen on {config.listen}")

@@ -1,60 +1,53 @@
-"""The gRPC servicer: each method of the table (`kvsidecar_contract.methods`) read into its plain handler call
-(handlers.py) and run as its row says, off the event loop.
+"""The Sidecar service over gRPC: every method-table row (`kvsidecar_contract.methods`) answered by the dispatcher.
 
-The one gRPC boundary where failures become statuses (statuses.py), counted and raised with context.abort. A call's
-credentials are read off its context on the event loop; its handler asks for them where it decides by the caller.
+A call's body reaches the dispatcher unparsed (gRPC's own deserializers raise before any servicer code runs, which
+clients see as UNKNOWN with no reason); its credentials are read off its context on the event loop, and its
+refusal is raised with context.abort. Nothing here is per method.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import grpc
+
+from kvsidecar.rpc import wire
 from kvsidecar.rpc.auth import caller_of
-from kvsidecar.rpc.handlers import Call, Handlers
+from kvsidecar.rpc.dispatch import Dispatcher
+from kvsidecar.rpc.handlers import Call
 from kvsidecar_contract.methods import METHODS, Method
-from kvsidecar_contract.proto import sidecar_pb2_grpc as pb_grpc
 
-__all__ = ["SidecarService"]
-
-
-class SidecarService(Handlers, pb_grpc.SidecarServicer):
-    """kvsidecar.v1.Sidecar over gRPC: one `async def Method(request, context)` per table row (set below)."""
+__all__ = ["answering", "sidecar_service"]
 
 
-def _grpc_method(method: Method) -> Callable[[SidecarService, Any, Any], Awaitable[Any]]:
-    """The servicer method of one row: admit the call, wait for its gate, run its handler in its pool."""
+def sidecar_service(dispatcher: Dispatcher) -> grpc.GenericRpcHandler:
+    """kvsidecar.v1.Sidecar for a gRPC server: each row's calls, as bytes, to the dispatcher."""
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            answering(dispatcher, method), response_serializer=method.response.SerializeToString
+        )
+        for method in METHODS
+    }
+    return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers)
 
-    async def answer(self: SidecarService, request: Any, context: Any) -> Any:
-        self.metrics.requests.labels(method.name).inc()
+
+def answering(dispatcher: Dispatcher, method: Method) -> Callable[[bytes, Any], Awaitable[Any]]:
+    """The gRPC behaviour of one row: run the call, or abort it with its status."""
+    tickets = dispatcher.handlers.tenancy.tickets
+
+    async def answer(body: bytes, context: Any) -> Any:
         try:
-            call = Call(_deadline(context), functools.partial(caller_of, _Seen(context), self.tenancy.tickets))
-            work = self.admit(method, request, call)
-            if method.pool == "loop":
-                return work()
-            loop = asyncio.get_running_loop()
-            pool = self._pools[method.pool]
-            if method.pool == "data":
-                work = functools.partial(self.in_data_slot, work)
-            if method.gate:
-                # One account's gated calls hold at most its share of the slots; the rest wait here.
-                async with self._lookup_gates.hold(self.sessions.account_of(request.session_id)):
-                    return await loop.run_in_executor(pool, work)
-            return await loop.run_in_executor(pool, work)
+            call = Call(_deadline(context), functools.partial(caller_of, _Seen(context), tickets))
+            return await dispatcher.run(method, body, call)
         except Exception as exc:
-            code, reason = self.refused(method.name, exc)
+            code, reason = dispatcher.refused(method.name, exc)
             await context.abort(code, reason)
             raise AssertionError("unreachable: context.abort raises") from exc
 
-    answer.__name__ = answer.__qualname__ = method.name
     return answer
-
-
-for _method in METHODS:
-    setattr(SidecarService, _method.name, _grpc_method(_method))
 
 
 class _Seen:

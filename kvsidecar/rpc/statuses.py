@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from kvsidecar.errors import (
@@ -17,10 +19,13 @@ from kvsidecar.errors import (
     Unauthenticated,
     UnknownSession,
 )
+from kvsidecar.metrics import Metrics
 from kvsidecar.store.codes import StoreCode
 from kvsidecar_contract.placement import PlacementError
 
-__all__ = ["MAX_REASON_CHARS", "SESSION_ERRORS", "STATUS_OF", "status_of"]
+__all__ = ["MAX_REASON_CHARS", "SESSION_ERRORS", "STATUS_OF", "refused", "status_of"]
+
+log = logging.getLogger("kvsidecar.rpc")
 
 # The first class in an error's MRO that is listed decides; the client maps these codes back
 # (client/kvsidecar_client/errors.py).
@@ -66,4 +71,16 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
         code, reason = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[: MAX_REASON_CHARS - 20] + " ... (reason cut)"
+    return code, reason
+
+
+def refused(metrics: Metrics, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """A refused call's (or batch item's) status and reason, counted per method and logged (INTERNAL with its
+    traceback)."""
+    code, reason = status_of(exc)
+    metrics.requests_rejected.labels(method, code.name).inc()
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    else:
+        log.debug("%s refused: %s: %s", method, code.name, reason)
     return code, reason

@@ -25,7 +25,6 @@ from kvsidecar.values import (
     LoadArgs,
     LoadOutcome,
     LookupArgs,
-    LookupOutcome,
     MemfdHandle,
     RegionRequest,
     Role,
@@ -41,9 +40,9 @@ from kvsidecar_contract.limits import (
     MAX_HASHES,
     MAX_NAME_CHARS,
 )
-from kvsidecar_contract.mapping import from_message, parallel_to_message
+from kvsidecar_contract.mapping import from_message, hit_to_message, parallel_to_message
 from kvsidecar_contract.methods import BY_NAME, METHODS, Method
-from kvsidecar_contract.placement import Geometry, Layout, PackedHashes
+from kvsidecar_contract.placement import Geometry, Hit, Layout, PackedHashes
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 _ROLES = {pb.ROLE_RANK: Role.RANK, pb.ROLE_SCHEDULER: Role.SCHEDULER}
@@ -103,23 +102,6 @@ def request_parser(method: Method, max_lookup_hashes: int) -> Callable[[bytes | 
 @functools.lru_cache(maxsize=8)
 def _bounded_parser(name: str, max_lookup_hashes: int) -> Callable[[bytes | bytearray], Any]:
     return lenient(BY_NAME[name].request, *lookup_limit(max_lookup_hashes))
-
-
-def sidecar_handlers(servicer: Any, max_lookup_hashes: int) -> grpc.GenericRpcHandler:
-    """The Sidecar service's handlers, one per method-table row, parsing requests so that garbage reaches the
-    servicer as Undecodable and a request past its size limit as Oversized.
-
-    gRPC's own deserializers raise before any servicer code runs, which clients see as UNKNOWN with no reason.
-    """
-    handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name),
-            request_deserializer=request_parser(method, max_lookup_hashes),
-            response_serializer=method.response.SerializeToString,
-        )
-        for method in METHODS
-    }
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 def lenient(cls: Any, most: int = 0, why: str = "") -> Callable[[bytes | bytearray], Any]:
@@ -213,24 +195,25 @@ def block_ids(values: Sequence[Any], num_groups: int) -> list[list[int]]:
     return out
 
 
-def batch_items(items: Sequence[Any], method: str) -> list[tuple[str, Any]]:
-    """(name, request) of a SaveBatch or LoadBatch's items; the batch as a whole must fit the per-request limits."""
+def batch_items(items: Sequence[Any], method: str) -> list[Any]:
+    """A SaveBatch or LoadBatch's items (each a name and a request), checked: unique names, and the batch as a whole
+    within the per-request limits."""
     if len(items) > MAX_BATCH_ITEMS:
         raise BadRequest(f"{method}: at most {MAX_BATCH_ITEMS} items per batch, got {len(items)}")
-    out = [(item.name, item.request) for item in items]
-    if len({name for name, _ in out}) != len(out):
-        dup = next(name for name, n in Counter(name for name, _ in out).items() if n > 1)
+    names = Counter(item.name for item in items)
+    if len(names) != len(items):
+        dup = next(name for name, n in names.items() if n > 1)
         raise BadRequest(f"{method}: item names must be unique, {dup[:MAX_NAME_CHARS]!r} appears more than once")
     # One request this size would be refused: a batch is no way around the limits.
-    total_hashes = sum(len(r.block_hashes) for _, r in out)
+    total_hashes = sum(len(item.request.block_hashes) for item in items)
     if total_hashes > MAX_HASHES:
         raise BadRequest(
             f"{method}: at most {MAX_HASHES} block hashes per batch, all items together, got {total_hashes}"
         )
-    total_ids = sum(len(g.ids) for _, r in out for g in r.block_ids)
+    total_ids = sum(len(g.ids) for item in items for g in item.request.block_ids)
     if total_ids > MAX_BLOCK_IDS:
         raise BadRequest(f"{method}: at most {MAX_BLOCK_IDS} block ids per batch (all items), got {total_ids}")
-    return out
+    return list(items)
 
 
 def save_args(req: pb.SaveRequest, hash_bytes: int, num_groups: int) -> SaveArgs:
@@ -274,6 +257,8 @@ def packed_hashes(data: bytes, hash_bytes: int) -> PackedHashes:
 
 def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs:
     """One Load request's (or LoadBatch item's) values."""
+    if len(req.carried_groups) > num_groups:
+        raise BadRequest(f"carried_groups names {len(req.carried_groups)} groups, the session has {num_groups}")
     return LoadArgs(
         hashes(req.block_hashes, hash_bytes),
         block_ids(req.block_ids, num_groups),
@@ -281,6 +266,7 @@ def load_args(req: pb.LoadRequest, hash_bytes: int, num_groups: int) -> LoadArgs
         list(req.tail_boundaries),
         req.start_tokens,
         retention_args(req),
+        list(req.carried_groups),
     )
 
 
@@ -351,11 +337,9 @@ def save_response(out: SaveOutcome) -> pb.SaveResponse:
     )
 
 
-def lookup_response(out: LookupOutcome) -> pb.LookupResponse:
+def lookup_response(hit: Hit) -> pb.LookupResponse:
     """A lookup's hit."""
-    return pb.LookupResponse(
-        hit_tokens=out.hit.tokens, tail_boundaries=out.hit.tails, degraded=out.degraded, detail=out.detail
-    )
+    return hit_to_message(hit)
 
 
 def load_response(out: LoadOutcome) -> pb.LoadResponse:

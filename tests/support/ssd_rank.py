@@ -50,7 +50,7 @@ def servable_prompts(stored: Iterable[str], tp: int, prompts: int) -> int:
     for p in range(prompts):
         plan = lookup_plan(geo, prompt_hashes(p), TOKENS + 1)
         hit = compute_hit(geo, TOKENS + 1, plan.stored([k in have for k in plan.keys]))
-        whole += hit.tokens == TOKENS
+        whole += hit.hit_tokens == TOKENS
     return whole
 
 

@@ -220,11 +220,11 @@ class Engines:
         return outcomes
 
     def lookup(self, rank: Rank, hashes: Sequence[bytes], tokens: int) -> Hit:
-        return self.path.lookup(rank.session, LookupArgs(hashes, tokens)).hit
+        return self.path.lookup(rank.session, LookupArgs(hashes, tokens))
 
     def load(self, rank: Rank, hashes: Sequence[bytes], block_ids: Sequence[int], hit: Hit) -> list:
         ids = [list(block_ids) for _ in self.model.groups]
-        return list(self.path.load(rank.session, LoadArgs(hashes, ids, hit.tokens, hit.tails)).failures)
+        return list(self.path.load(rank.session, LoadArgs(hashes, ids, hit.hit_tokens, hit.tail_boundaries)).failures)
 
     def expected(self, rank: Rank, hashes: Sequence[bytes], block_ids: Sequence[int], hit: int) -> list[str]:
         """Every region block that differs from what the reader's own rank holds after a hit of `hit` tokens."""

@@ -3,11 +3,13 @@
 SGLang moves each pool in calls of its own (KV pages by `batch_*_v1`, a side pool's pages by `batch_*_v2`), so each
 call here is one group's: its pages are the blocks 0..n-1 of a request of n pages whose block hashes are the call's
 keys (SGLang's page hashes; a call may start anywhere in a chain, and a key names its boundary wherever it sits),
-and every other group's blocks are NO_BLOCK: a save skips them (counted as absent), a load reports them failed
-(`kvsidecar_load_failed_blocks_total{reason="no_block"}`) and reads nothing for them. A load is the hit a lookup of
-those pages would answer, so the daemon reads what its rules say that group needs for a prefix ending at the last
-page (every page for KV, the window's last pages, a Mamba state at exactly the end): the pages it reads and does
-not report failed are the ones loaded. A lookup is always every group's (rule 9): the prefix every pool can serve.
+and every other group's blocks are NO_BLOCK: a save skips them (counted as absent), and a load says it carries the
+one group (`groups`), so the daemon neither reads nor reports the others (a daemon older than that reads nothing
+for them and reports them failed, `kvsidecar_load_failed_blocks_total{reason="no_block"}`). A load is the hit a
+lookup of those pages would answer, so the daemon reads what its rules say that group needs for a prefix ending at
+the last page (every page for KV, the window's last pages, a Mamba state at exactly the end): the pages it reads
+and does not report failed are the ones loaded. A lookup is always every group's (rule 9): the prefix every pool
+can serve.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class PageCalls:
                 try:
                     # Whole pages, each under its own end boundary: the hit a lookup of these pages would answer.
                     hit = Hit(tokens, (tokens,) * self._groups)
-                    result = self._client.load_detailed(hashes, self._ids(group, ids), hit)
+                    result = self._client.load_detailed(hashes, self._ids(group, ids), hit, groups=(group,))
                 except SidecarError as error:
                     logger.warning("kvsidecar: loading %d pages of group %d failed: %s", len(ids), group, error)
                     continue

@@ -11,7 +11,7 @@ from kvsidecar_contract.placement.chunks import (
     load_plan,
     save_plan,
 )
-from kvsidecar_contract.placement.errors import InvalidLayout, InvalidRequest, PlacementError
+from kvsidecar_contract.placement.errors import InvalidLayout, PlacementError, RequestMismatch
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry, replication_factor, span, writes_chunk
 from kvsidecar_contract.placement.keys import (
     DEFAULT_CHECKSUM_EVERY,
@@ -59,7 +59,6 @@ __all__ = [
     "GroupSpec",
     "Hit",
     "InvalidLayout",
-    "InvalidRequest",
     "Kind",
     "Layout",
     "LookupPlan",
@@ -68,6 +67,7 @@ __all__ = [
     "Piece",
     "PlacementError",
     "RecurrentState",
+    "RequestMismatch",
     "SavePlan",
     "Spans",
     "StagedLookup",

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvsidecar_contract.limits import NO_BLOCK
-from kvsidecar_contract.placement.errors import InvalidRequest
+from kvsidecar_contract.placement.errors import RequestMismatch
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry
 from kvsidecar_contract.placement.keys import block_key
 from kvsidecar_contract.placement.spans import load_spans, save_spans
@@ -43,9 +43,9 @@ def save_plan(
     u = geo.layout.hash_block_size
     _check_groups(geo, block_ids)
     if not 0 <= saved_tokens <= num_tokens:
-        raise InvalidRequest(f"saved_tokens {saved_tokens} must be in [0, num_tokens={num_tokens}]")
+        raise RequestMismatch(f"saved_tokens {saved_tokens} must be in [0, num_tokens={num_tokens}]")
     if len(block_hashes) < num_tokens // u:
-        raise InvalidRequest(
+        raise RequestMismatch(
             f"{num_tokens} tokens need {num_tokens // u} block hashes (one per {u} tokens), got {len(block_hashes)}"
         )
     chunks: list[Chunk] = []
@@ -73,20 +73,25 @@ def load_plan(
     hit_tokens: int,
     tails: Sequence[int],
     start_tokens: int = 0,
+    carried: Sequence[int] = (),
 ) -> tuple[Chunk, ...]:
     """The chunks this rank reads to serve hit_tokens, every one from its own namespace (never striped).
 
     Blocks that end at or before start_tokens are already in the engine and are not read. The block that
     contains the hit end is read under its tail boundary, exactly as the lookup reported it. A chunk whose block
     id is NO_BLOCK stays in the plan: the engine has nowhere to put it, so the load must report it failed.
+    carried names the groups the load is for (empty: every group): the others' block ids are not looked at.
     """
     u = geo.layout.hash_block_size
     _check_groups(geo, block_ids)
     check_hit(geo, len(block_hashes), hit_tokens, tails)
     if not 0 <= start_tokens <= hit_tokens:
-        raise InvalidRequest(f"start_tokens {start_tokens} must be in [0, hit_tokens={hit_tokens}]")
+        raise RequestMismatch(f"start_tokens {start_tokens} must be in [0, hit_tokens={hit_tokens}]")
+    wanted = _carried(geo, carried)
     chunks: list[Chunk] = []
     for group, tail in zip(geo.groups, tails, strict=True):
+        if group.index not in wanted:
+            continue
         ids = block_ids[group.index]
         spans = load_spans(group.spec, group.span, hit_tokens, start_tokens)
         for index in spans:
@@ -109,23 +114,23 @@ def check_hit(geo: Geometry, num_hashes: int, hit_tokens: int, tails: Sequence[i
     """Reject a hit length or tail boundary that no lookup could have produced (rules 8-10)."""
     u = geo.layout.hash_block_size
     if len(tails) != len(geo.groups):
-        raise InvalidRequest(f"expected {len(geo.groups)} tail boundaries (one per group), got {len(tails)}")
+        raise RequestMismatch(f"expected {len(geo.groups)} tail boundaries (one per group), got {len(tails)}")
     if hit_tokens < 0 or hit_tokens % geo.unit:
-        raise InvalidRequest(f"hit_tokens {hit_tokens} is not a non-negative multiple of {geo.unit}")
+        raise RequestMismatch(f"hit_tokens {hit_tokens} is not a non-negative multiple of {geo.unit}")
     if hit_tokens > num_hashes * u:
-        raise InvalidRequest(f"hit_tokens {hit_tokens} exceeds the {num_hashes} block hashes given")
+        raise RequestMismatch(f"hit_tokens {hit_tokens} exceeds the {num_hashes} block hashes given")
     for group, tail in zip(geo.groups, tails, strict=True):
         where = f"group {group.index} ({group.spec.describe()})"
         if hit_tokens == 0:
             if tail:
-                raise InvalidRequest(f"{where}: tail boundary must be 0 for a zero-token hit, got {tail}")
+                raise RequestMismatch(f"{where}: tail boundary must be 0 for a zero-token hit, got {tail}")
             continue
         block_end = ((hit_tokens - 1) // group.span + 1) * group.span
         exact = group.spec.recurrent or hit_tokens == block_end
         if exact and tail != hit_tokens:
-            raise InvalidRequest(f"{where}: tail boundary must be the hit end {hit_tokens}, got {tail}")
+            raise RequestMismatch(f"{where}: tail boundary must be the hit end {hit_tokens}, got {tail}")
         if not hit_tokens <= tail <= block_end or tail % u or tail > num_hashes * u:
-            raise InvalidRequest(
+            raise RequestMismatch(
                 f"{where}: tail boundary {tail} must be a multiple of {u} in [{hit_tokens}, {block_end}] "
                 f"covered by the block hashes given"
             )
@@ -133,11 +138,23 @@ def check_hit(geo: Geometry, num_hashes: int, hit_tokens: int, tails: Sequence[i
 
 def _check_groups(geo: Geometry, block_ids: Sequence[Sequence[int]]) -> None:
     if len(block_ids) != len(geo.groups):
-        raise InvalidRequest(f"expected block ids for {len(geo.groups)} groups, got {len(block_ids)}")
+        raise RequestMismatch(f"expected block ids for {len(geo.groups)} groups, got {len(block_ids)}")
+
+
+def _carried(geo: Geometry, carried: Sequence[int]) -> range | set[int]:
+    """The groups a load carries: those named (each once, each a group of the layout), or every group."""
+    if not carried:
+        return range(len(geo.groups))
+    wanted = set(carried)
+    if len(wanted) != len(carried) or not wanted <= set(range(len(geo.groups))):
+        raise RequestMismatch(
+            f"carried groups {list(carried)} must name each of the {len(geo.groups)} groups at most once"
+        )
+    return wanted
 
 
 def _check_index(group: GroupGeometry, ids: Sequence[int], index: int) -> None:
     if index >= len(ids):
-        raise InvalidRequest(
+        raise RequestMismatch(
             f"group {group.index} ({group.spec.describe()}) needs a block id for span {index}, got {len(ids)} block ids"
         )

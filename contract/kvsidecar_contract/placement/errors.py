@@ -9,5 +9,6 @@ class InvalidLayout(PlacementError):
     """The engine layout (parallelism, heads, groups, names) is inconsistent."""
 
 
-class InvalidRequest(PlacementError):
-    """A save, lookup or load request does not fit its session's layout."""
+class RequestMismatch(PlacementError):
+    """A save, lookup or load request does not fit its session's layout (the client's InvalidRequest is what either
+    side's refusal of a request becomes for the engine)."""

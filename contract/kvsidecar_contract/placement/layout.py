@@ -52,10 +52,28 @@ class Kind(str, enum.Enum):
         return self in (Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+def kind_of(name: str, what: str = "group kind", where: str = "") -> Kind:
+    """The Kind spelled `name` (as in `--groups`, docs/placement.md and the client), or InvalidLayout listing the
+    known ones."""
+    try:
+        return Kind(name)
+    except ValueError:
+        known = ", ".join(k.value for k in Kind)
+        at = f" in {where!r}" if where else ""
+        raise InvalidLayout(f"unknown {what} {name!r}{at} (known: {known})") from None
+
+
+def _check_int(name: str, value: object) -> None:
+    # bool is an int; a True block size is a bug in the caller, not a size of 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidLayout(f"{name} must be an int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class GroupSpec:
     """One KV-cache group: its kind, tokens per physical block, window, members if uniform, and its state's layout.
 
+    Kinds are given as Kind or by the names docs/placement.md uses (`GroupSpec("mla", 16)`, as engines write them).
     state describes one layer's recurrent state (every layer of the group alike) for a group whose members are all
     recurrent: what rule 12 needs to store it in pieces any TP size reads. Without it a recurrent group is kept
     per layout (rule 11).
@@ -63,11 +81,32 @@ class GroupSpec:
 
     kind: Kind
     block_size: int
-    window: int = 0
-    inner: tuple[Kind, ...] = ()
-    state: RecurrentState | None = None
+    window: int
+    inner: tuple[Kind, ...]
+    state: RecurrentState | None
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        kind: Kind | str,
+        block_size: int,
+        window: int = 0,
+        inner: Sequence[Kind | str] = (),
+        state: RecurrentState | None = None,
+    ) -> None:
+        object.__setattr__(self, "kind", kind_of(kind) if isinstance(kind, str) else kind)
+        # Any sequence of members, stored as a tuple: the spec stays hashable and immutable.
+        members = tuple(kind_of(m, "member kind") if isinstance(m, str) else m for m in inner)
+        object.__setattr__(self, "inner", members)
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "state", state)
+        self._check()
+
+    def _check(self) -> None:
+        for name in ("block_size", "window"):
+            _check_int(name, getattr(self, name))
+        if not isinstance(self.kind, Kind) or not all(isinstance(k, Kind) for k in self.inner):
+            raise InvalidLayout(f"group kinds must be Kind or their names, got {self.kind!r} and {self.inner!r}")
         if not 1 <= self.block_size <= MAX_BLOCK_TOKENS:
             raise InvalidLayout(f"block_size must be in [1, {MAX_BLOCK_TOKENS}], got {self.block_size}")
         if self.window > MAX_TOKENS:
@@ -95,7 +134,6 @@ class GroupSpec:
     def _fields(self) -> tuple[object, ...]:
         return (self.kind, self.block_size, self.window, self.inner, self.state)
 
-    # A value, whatever class holds it: the client's GroupSpec (kinds given by name) equals the contract's.
     def __eq__(self, other: object) -> bool:
         return self._fields() == other._fields() if isinstance(other, GroupSpec) else NotImplemented
 

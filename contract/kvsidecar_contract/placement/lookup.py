@@ -8,7 +8,7 @@ import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvsidecar_contract.placement.errors import InvalidRequest
+from kvsidecar_contract.placement.errors import RequestMismatch
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry
 from kvsidecar_contract.placement.keys import hash_suffixes
 from kvsidecar_contract.placement.spans import first_needed_block
@@ -34,7 +34,7 @@ class LookupPlan(NamedTuple):
     def stored(self, present: Sequence[bool]) -> list[list[bool]]:
         """Per group, per hash index: whether that boundary exists in every namespace (rule 7)."""
         if len(present) != len(self.keys):
-            raise InvalidRequest(f"expected {len(self.keys)} probe results, got {len(present)}")
+            raise RequestMismatch(f"expected {len(self.keys)} probe results, got {len(present)}")
         out: list[list[bool]] = []
         pos = 0
         for run in self.runs:
@@ -50,10 +50,21 @@ class LookupPlan(NamedTuple):
 
 
 class Hit(NamedTuple):
-    """A lookup answer: tokens every group can serve, and per group the boundary of its last block's key."""
+    """A lookup's answer: the prefix every group can serve, and per group the boundary its last block is stored under.
 
-    tokens: int
-    tails: tuple[int, ...]
+    `degraded` says the store (or the daemon) could not be asked about all of it: the answer may be shorter than
+    what is stored, never longer. An engine passes the whole Hit to its load unchanged.
+    """
+
+    hit_tokens: int
+    tail_boundaries: tuple[int, ...]
+    degraded: bool = False
+    detail: str = ""  # why it is degraded
+
+    @classmethod
+    def miss(cls, num_groups: int, detail: str) -> Hit:
+        """A degraded miss: the store (or the daemon) could not be asked."""
+        return cls(0, (0,) * num_groups, True, detail)
 
 
 def lookup_plan(geo: Geometry, block_hashes: Sequence[bytes], num_tokens: int) -> LookupPlan:
@@ -76,7 +87,7 @@ def check_probe_count(geo: Geometry, num_hashes: int, num_tokens: int) -> int:
     n = _check_prompt(geo, num_hashes, num_tokens)
     probes = sum(len(geo.probed_boundaries(g, n)) * g.keys_per_boundary for g in geo.groups)
     if probes > MAX_PROBE_KEYS:
-        raise InvalidRequest(
+        raise RequestMismatch(
             f"this lookup would probe {probes} keys ({n} block hashes across every namespace), more than "
             f"{MAX_PROBE_KEYS}: look up a shorter prompt"
         )
@@ -89,10 +100,10 @@ def compute_hit(geo: Geometry, num_tokens: int, stored: Sequence[Sequence[bool]]
     stored[g][i] says whether the boundary (i + 1) * U of group g exists in every namespace.
     """
     if len(stored) != len(geo.groups):
-        raise InvalidRequest(f"expected stored flags for {len(geo.groups)} groups, got {len(stored)}")
+        raise RequestMismatch(f"expected stored flags for {len(geo.groups)} groups, got {len(stored)}")
     n = len(stored[0]) if stored else 0
     if any(len(row) != n for row in stored):
-        raise InvalidRequest("stored flags must cover the same number of boundaries for every group")
+        raise RequestMismatch("stored flags must cover the same number of boundaries for every group")
     _check_prompt(geo, n, num_tokens)
     u, unit = geo.layout.hash_block_size, geo.unit
     # The last prompt token is always recomputed, so at most num_tokens - 1 tokens can come from the store.
@@ -201,9 +212,9 @@ class _Server:
 def _check_prompt(geo: Geometry, num_hashes: int, num_tokens: int) -> int:
     u = geo.layout.hash_block_size
     if num_tokens < 0:
-        raise InvalidRequest(f"num_tokens must be >= 0, got {num_tokens}")
+        raise RequestMismatch(f"num_tokens must be >= 0, got {num_tokens}")
     if num_hashes > num_tokens // u:
-        raise InvalidRequest(
+        raise RequestMismatch(
             f"{num_hashes} block hashes cover {num_hashes * u} tokens, more than num_tokens={num_tokens}"
         )
     return num_hashes

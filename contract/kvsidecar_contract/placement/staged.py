@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvsidecar_contract.placement.errors import InvalidRequest
+from kvsidecar_contract.placement.errors import RequestMismatch
 from kvsidecar_contract.placement.geometry import Geometry, GroupGeometry
 from kvsidecar_contract.placement.keys import hash_suffixes
 from kvsidecar_contract.placement.lookup import Hit, check_probe_count, compute_hit
@@ -54,13 +54,13 @@ class StagedLookup:
     def answer(self) -> Hit:
         """The final answer: exactly what probing every key would give."""
         if self._hit is None:
-            raise InvalidRequest("this lookup still has keys to probe")
+            raise RequestMismatch("this lookup still has keys to probe")
         return self._hit
 
     def next_keys(self) -> list[str]:
         """The keys of the next batch existence check (call only while not done)."""
         if self._hit is not None:
-            raise InvalidRequest("this lookup is already answered")
+            raise RequestMismatch("this lookup is already answered")
         if self._stage == 1:
             g = self._first
             upto = self.n if not _prefix_bound(g) else min(self.n, self._known[g.index] + self._chunk)
@@ -82,7 +82,7 @@ class StagedLookup:
         """The answers to the keys next_keys() gave, in order; advances to the next stage or the answer."""
         expected = sum(len(idx) * g.keys_per_boundary for g, idx in self._pending)
         if len(present) != expected:
-            raise InvalidRequest(f"expected {expected} probe results, got {len(present)}")
+            raise RequestMismatch(f"expected {expected} probe results, got {len(present)}")
         pos = 0
         for g, idx in self._pending:
             m = len(idx)
@@ -112,7 +112,7 @@ class StagedLookup:
         else:
             # The others taken as fully stored: the hit this group alone allows, an upper bound.
             rows = [r if h is g else _filled(r, self._probed[h.index], 0) for h, r in self._by_group()]
-            bound = compute_hit(self.geo, self.num_tokens, rows).tokens
+            bound = compute_hit(self.geo, self.num_tokens, rows).hit_tokens
         if bound == 0:
             self._hit = Hit(0, (0,) * len(self.geo.groups))
             return

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvsidecar_contract.placement.errors import InvalidLayout
-from kvsidecar_contract.placement.layout import GroupSpec, Kind
+from kvsidecar_contract.placement.layout import GroupSpec, Kind, kind_of
 from kvsidecar_contract.placement.state import RecurrentState, gated_delta_net_state, kda_state, mamba2_state
 
 __all__ = ["STATE_LAYERS", "kind_of", "parse_group", "parse_groups"]
@@ -33,16 +33,6 @@ _ARGUMENTS = {
     "spec": "num_spec",
 }
 _OPTIONAL = ("layout", "bytes", "ssm_bytes", "spec", "intermediate")
-
-
-def kind_of(name: str, what: str = "group kind", where: str = "") -> Kind:
-    """The Kind spelled `name` (as in `--groups` and the client), or InvalidLayout listing the known ones."""
-    try:
-        return Kind(name)
-    except ValueError:
-        known = ", ".join(k.value for k in Kind)
-        at = f" in {where!r}" if where else ""
-        raise InvalidLayout(f"unknown {what} {name!r}{at} (known: {known})") from None
 
 
 def parse_group(text: str, block_size: int) -> GroupSpec:

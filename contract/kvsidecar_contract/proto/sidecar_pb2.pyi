@@ -376,7 +376,7 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., degraded: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("session_id", "block_hashes", "block_ids", "hit_tokens", "tail_boundaries", "start_tokens", "retention")
+    __slots__ = ("session_id", "block_hashes", "block_ids", "hit_tokens", "tail_boundaries", "start_tokens", "retention", "carried_groups")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,7 @@ class LoadRequest(_message.Message):
     TAIL_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
     START_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -391,7 +392,8 @@ class LoadRequest(_message.Message):
     tail_boundaries: _containers.RepeatedScalarFieldContainer[int]
     start_tokens: int
     retention: Retention
-    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., start_tokens: _Optional[int] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
+    carried_groups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit_tokens: _Optional[int] = ..., tail_boundaries: _Optional[_Iterable[int]] = ..., start_tokens: _Optional[int] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., carried_groups: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("loaded", "bytes_loaded", "failures", "retained", "unretained")

@@ -4,7 +4,9 @@ import pytest
 
 from kvsidecar_client import EngineLayout, GroupSpec, InvalidRequest, SessionSpec
 from kvsidecar_client.layout import KINDS
-from kvsidecar_contract.placement import Kind
+from kvsidecar_contract import placement
+from kvsidecar_contract.mapping import group_to_message
+from kvsidecar_contract.placement import InvalidLayout, Kind
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 GROUPS = (
@@ -60,7 +62,7 @@ def test_layout_refuses(fields, reason):
 
 
 def test_groups_to_proto():
-    assert [g.to_proto() for g in GROUPS] == [
+    assert [group_to_message(g) for g in GROUPS] == [
         pb.KVCacheGroup(kind=pb.MLA, block_size=16),
         pb.KVCacheGroup(kind=pb.MAMBA, block_size=64),
         pb.KVCacheGroup(kind=pb.SLIDING_WINDOW, block_size=16, window=128),
@@ -68,10 +70,10 @@ def test_groups_to_proto():
     ]
     swa = GroupSpec("uniform", block_size=32, window=4096, inner=["sliding_window_mla", "mamba"])
     assert swa.inner == ("sliding_window_mla", "mamba")
-    assert swa.to_proto() == pb.KVCacheGroup(
+    assert group_to_message(swa) == pb.KVCacheGroup(
         kind=pb.UNIFORM, block_size=32, window=4096, inner=[pb.SLIDING_WINDOW_MLA, pb.MAMBA]
     )
-    assert GroupSpec("full_attention", 16).to_proto() == pb.KVCacheGroup(kind=pb.FULL_ATTENTION, block_size=16)
+    assert group_to_message(GroupSpec("full_attention", 16)) == pb.KVCacheGroup(kind=pb.FULL_ATTENTION, block_size=16)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +93,9 @@ def test_groups_to_proto():
     ],
 )
 def test_group_refuses(args, kwargs, reason):
-    with pytest.raises(InvalidRequest, match=reason):
+    # The client's GroupSpec is the contract's: the same refusals, in the same words, as the daemon's.
+    assert GroupSpec is placement.GroupSpec
+    with pytest.raises(InvalidLayout, match=reason):
         GroupSpec(*args, **kwargs)
 
 
@@ -102,7 +106,7 @@ def test_session_to_proto():
         parallel=pb.ParallelLayout(tp_size=2, tp_rank=1, pp_size=1, pcp_size=1, dcp_size=1),
         num_kv_heads=1,
         hash_block_size=16,
-        groups=[g.to_proto() for g in GROUPS],
+        groups=[group_to_message(g) for g in GROUPS],
         hash_bytes=16,
         role=pb.ROLE_RANK,
         client_name="host pid=1",
@@ -169,7 +173,7 @@ def test_the_client_refuses_a_layout_with_the_daemons_own_message(overrides, rea
         parallel=pb.ParallelLayout(**{"pp_size": 1, "pcp_size": 1, "dcp_size": 1, **parallel}),
         num_kv_heads=fields["num_kv_heads"],
         hash_block_size=fields["hash_block_size"],
-        groups=[g.to_proto() for g in fields["groups"]],
+        groups=[group_to_message(g) for g in fields["groups"]],
         hash_bytes=32,
         role=pb.ROLE_RANK,
     )
@@ -197,9 +201,9 @@ def test_a_recurrent_groups_state_layout_goes_to_the_daemon_and_its_regions_decl
     # Attention is cut by KV head (rule 11); the state is cut by the daemon from its layout (rule 12): whole layers.
     assert spec.cuts() == [(4, 4), (1, 1)]
     assert spec.to_placement().values_per_block(1) == 5  # heads 4-7 and the one group
-    with pytest.raises(InvalidRequest, match="state must be a RecurrentState, got dict"):
+    with pytest.raises(InvalidLayout, match="state must be a RecurrentState, got dict"):
         GroupSpec("mamba", 16, state={"heads": 8})  # type: ignore[arg-type]
-    with pytest.raises(InvalidRequest, match="only a group whose members are all recurrent has one"):
+    with pytest.raises(InvalidLayout, match="only a group whose members are all recurrent has one"):
         GroupSpec("full_attention", 16, state=state)
     with pytest.raises(InvalidRequest, match="state axis heads of 8 cannot be sharded over 16 TP ranks"):
         SessionSpec("org/M", EngineLayout(tp_size=16), 16, 16, groups, share_across_tp=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvsidecar_client import InvalidRequest, Retention
-from kvsidecar_client.batch import SaveItem, save_requests
+from kvsidecar_client.batch import SaveItem, save_items
 from kvsidecar_client.retention import parse_ttl, retention_of
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
@@ -53,10 +53,8 @@ def test_what_is_wrong_is_named():
 def test_a_save_carries_its_own_retention_or_the_default_on_the_wire():
     ids = lambda block_ids: [pb.BlockIds(ids=g) for g in block_ids]  # noqa: E731
     items = [SaveItem("a", [b"h" * 32], [[1]], 16), SaveItem("b", [b"h" * 32], [[1]], 16, retention=Retention(5))]
-    requests = save_requests(items, ids, Retention(60, 30, end_tokens=16))
-    a, b = requests["a"], requests["b"]
-    assert isinstance(a, pb.SaveRequest) and isinstance(b, pb.SaveRequest)
+    a, b = (item.request for item in save_items(items, ids, Retention(60, 30, end_tokens=16)).open())
     assert (a.retention.seconds, a.retention.priority, a.retention.end_tokens, a.retention.renew) == (60, 30, 16, True)
     assert (b.retention.seconds, b.retention.HasField("priority")) == (5, False)
-    plain = save_requests(items[:1], ids)["a"]
-    assert isinstance(plain, pb.SaveRequest) and not plain.HasField("retention")
+    (plain,) = save_items(items[:1], ids).open()
+    assert not plain.request.HasField("retention")

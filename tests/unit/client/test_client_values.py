@@ -18,6 +18,8 @@ from kvsidecar_client import (
 )
 from kvsidecar_client._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options, target
 from kvsidecar_client.results import Registration, SessionInfo
+from kvsidecar_contract import placement
+from kvsidecar_contract.mapping import hit_from_message, hit_to_message
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 
 
@@ -35,8 +37,9 @@ def test_save_result_from_proto():
 
 def test_hit_from_proto_and_a_local_miss():
     message = pb.LookupResponse(hit_tokens=13824, tail_boundaries=[14848, 13824], degraded=False, detail="")
-    hit = Hit.from_proto(message)
-    assert hit == Hit(13824, (14848, 13824), False, "")
+    hit = hit_from_message(message)
+    assert hit == Hit(13824, (14848, 13824), False, "") and hit_to_message(hit) == message
+    assert Hit is placement.Hit  # one Hit: the contract's, the daemon's answer and the client's alike
     assert hit.tail_boundaries == (14848, 13824)
     assert Hit.miss(3, "daemon down") == Hit(0, (0, 0, 0), True, "daemon down")
 

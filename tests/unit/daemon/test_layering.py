@@ -149,16 +149,21 @@ def test_configuration_sits_at_the_top():
     assert below_config == CONFIG_IMPORTERS
 
 
-def test_the_two_ways_in_read_the_method_table_not_each_other():
+def test_the_two_ways_in_hand_their_calls_to_the_one_dispatcher():
     # A method's messages, frame number, pool, gate and size limit are its row's (kvsidecar_contract.methods); the
-    # gRPC servicer and the data socket each read a call through it into the same handler (rpc/handlers.py).
+    # gRPC servicer and the data socket each hand a call to the one dispatcher (rpc/dispatch.py), which runs the
+    # row's handler (rpc/handlers.py). Neither way in knows the other, and nothing below them knows either.
     rpc = PACKAGE / "rpc"
     grpc_side = {"kvsidecar.rpc.servicer", "kvsidecar.rpc.servers"}
     for name in ("servicer.py", "servers.py"):
         assert "kvsidecar.rpc.datasocket" not in imports(rpc / name), name
     assert not imports(rpc / "datasocket.py") & grpc_side
-    assert not imports(rpc / "handlers.py") & (grpc_side | {"kvsidecar.rpc.datasocket"})
-    for name in ("servicer.py", "datasocket.py", "handlers.py", "wire.py"):
+    for name in ("servicer.py", "datasocket.py"):
+        assert "kvsidecar.rpc.dispatch" in imports(rpc / name), name
+    ways_in = grpc_side | {"kvsidecar.rpc.datasocket"}
+    assert not imports(rpc / "dispatch.py") & ways_in
+    assert not imports(rpc / "handlers.py") & (ways_in | {"kvsidecar.rpc.dispatch"})
+    for name in ("servicer.py", "datasocket.py", "dispatch.py"):
         assert "kvsidecar_contract.methods" in imports(rpc / name), name
     client = Path(kvsidecar_client.__file__).parent
     assert "kvsidecar_contract.methods" in imports(client / "_data.py")

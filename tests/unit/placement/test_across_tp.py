@@ -292,11 +292,11 @@ def test_random_layouts_read_across_tp_sizes_only_their_own_bytes(case, lookup_u
     hit = compute_hit(ranks[0][1], lookup_tokens, plan.stored([k in written for k in plan.keys]))
     if writer.parallel.tp_size != reader.parallel.tp_size and not all(expected_shared(g) for g in reader.groups):
         # A group kept per layout is never found by another TP size, and any length > 0 needs it: a miss.
-        assert hit.tokens == 0
-    event(f"hit > 0 across TP sizes: {hit.tokens > 0 and writer.parallel.tp_size != reader.parallel.tp_size}")
+        assert hit.hit_tokens == 0
+    event(f"hit > 0 across TP sizes: {hit.hit_tokens > 0 and writer.parallel.tp_size != reader.parallel.tp_size}")
     for (r, _c, p), geo in ranks:
         ids = [list(range(len(probe) + 1)) for _ in reader.groups]
-        for chunk in load_plan(geo, probe, ids, hit.tokens, hit.tails):
+        for chunk in load_plan(geo, probe, ids, hit.hit_tokens, hit.tail_boundaries):
             assert chunk.key in written, chunk
             assert written[chunk.key] == {
                 (held_bytes(reader, chunk.group, r, chunk.part, chunk.parts), p, chunk.boundary)

@@ -80,7 +80,7 @@ def test_example_c_seed_002_tail_keys_are_the_stored_boundaries():
     hit = compute_hit(geo, 15000, stored, eagle=True)
     assert hit == Hit(13824, (14848, 13824))
     hashes = HASHES[:n]
-    chunks = load_plan(geo, hashes, [[70, 71], list(range(100, 110))], hit.tokens, hit.tails)
+    chunks = load_plan(geo, hashes, [[70, 71], list(range(100, 110))], hit.hit_tokens, hit.tail_boundaries)
     assert [(c.group, c.span_index, c.boundary, c.block_id) for c in chunks] == [
         (0, 0, 12288, 70),
         (0, 1, 14848, 71),
@@ -126,4 +126,4 @@ def test_a_sliding_window_needs_the_last_w_minus_1_tokens_as_vllm_counts_them():
     assert [c.span_index for c in loads] == [3]
     # One token wider, and block 2 is needed again.
     wide = Geometry.of(Layout("M", (GroupSpec(Kind.SLIDING_WINDOW, 16, 18),), hash_block_size=16))
-    assert compute_hit(wide, 70, stored).tokens == 0
+    assert compute_hit(wide, 70, stored).hit_tokens == 0

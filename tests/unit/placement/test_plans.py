@@ -6,10 +6,10 @@ from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
     Hit,
-    InvalidRequest,
     Kind,
     Layout,
     Parallel,
+    RequestMismatch,
     check_hit,
     compute_hit,
     load_plan,
@@ -92,7 +92,7 @@ def test_unknown_probe_results_count_as_missing():
     geo = geo_of(GroupSpec(Kind.MLA, 16))
     plan = lookup_plan(geo, H[:3], 48)
     assert plan.stored([True, False, True]) == [[True, False, True]]
-    with pytest.raises(InvalidRequest, match="expected 3 probe results"):
+    with pytest.raises(RequestMismatch, match="expected 3 probe results"):
         plan.stored([True])
 
 
@@ -112,27 +112,27 @@ def test_unknown_probe_results_count_as_missing():
 )
 def test_check_hit_rejects_impossible_answers(hit, tails, reason):
     geo = geo_of(GroupSpec(Kind.FULL_ATTENTION, 32), GroupSpec(Kind.MAMBA, 64))
-    with pytest.raises(InvalidRequest, match=reason):
+    with pytest.raises(RequestMismatch, match=reason):
         check_hit(geo, 6, hit, tails)
 
 
 def test_bad_save_and_load_requests():
     geo = geo_of(GroupSpec(Kind.FULL_ATTENTION, 16), GroupSpec(Kind.MAMBA, 16))
-    with pytest.raises(InvalidRequest, match="expected block ids for 2 groups"):
+    with pytest.raises(RequestMismatch, match="expected block ids for 2 groups"):
         save_plan(geo, H, [[1]], 16)
-    with pytest.raises(InvalidRequest, match="need 4 block hashes"):
+    with pytest.raises(RequestMismatch, match="need 4 block hashes"):
         save_plan(geo, H[:2], [[1, 2, 3, 4]] * 2, 64)
     with pytest.raises(
-        InvalidRequest, match=r"group 0 \(full_attention\) needs a block id for span 2, got 2 block ids"
+        RequestMismatch, match=r"group 0 \(full_attention\) needs a block id for span 2, got 2 block ids"
     ):
         save_plan(geo, H, [[1, 2], [1, 2, 3, 4]], 64)
-    with pytest.raises(InvalidRequest, match="saved_tokens 80"):
+    with pytest.raises(RequestMismatch, match="saved_tokens 80"):
         save_plan(geo, H, [[1] * 4] * 2, 64, saved_tokens=80)
-    with pytest.raises(InvalidRequest, match="start_tokens 64"):
+    with pytest.raises(RequestMismatch, match="start_tokens 64"):
         load_plan(geo, H, [[1] * 4] * 2, 48, (48, 48), start_tokens=64)
-    with pytest.raises(InvalidRequest, match="more than num_tokens"):
+    with pytest.raises(RequestMismatch, match="more than num_tokens"):
         lookup_plan(geo, H[:5], 64)
-    with pytest.raises(InvalidRequest, match="num_tokens must be >= 0"):
+    with pytest.raises(RequestMismatch, match="num_tokens must be >= 0"):
         lookup_plan(geo, [], -1)
 
 
@@ -153,6 +153,12 @@ def test_no_block_spans_are_skipped_by_saves_and_kept_by_loads():
     assert (plan.others, plan.absent) == (0, 2)
     chunks = load_plan(geo, H, [[0, 1, 2, 3], [NO_BLOCK] * 4], 64, (64, 64))
     assert chunks[-1].block_id == NO_BLOCK  # the load must say it failed, not silently skip it
+    # A load that says it carries group 0 only is not about the state: it is left out, whatever its ids say.
+    assert load_plan(geo, H, [[0, 1, 2, 3], []], 64, (64, 64), carried=[0]) == chunks[:4]
+    assert [c.group for c in load_plan(geo, H, [[], [NO_BLOCK] * 3 + [7]], 64, (64, 64), carried=[1])] == [1]
+    for carried in ([2], [0, 0]):
+        with pytest.raises(RequestMismatch, match="must name each of the 2 groups at most once"):
+            load_plan(geo, H, [[0, 1, 2, 3], []], 64, (64, 64), carried=carried)
 
 
 def test_a_lookup_too_large_to_probe_is_refused():
@@ -160,5 +166,5 @@ def test_a_lookup_too_large_to_probe_is_refused():
 
     geo = geo_of(GroupSpec(Kind.MAMBA, 1), u=1, tp_size=64)  # 64 namespaces per boundary
     n = MAX_PROBE_KEYS // 64 + 1
-    with pytest.raises(InvalidRequest, match=r"would probe \d+ keys"):
+    with pytest.raises(RequestMismatch, match=r"would probe \d+ keys"):
         lookup_plan(geo, [b"h"] * n, n)

@@ -172,10 +172,10 @@ def test_cold_then_warm_every_rank_loads_only_its_own_bytes(layout, saves, looku
     plan = lookup_plan(scheduler, hashes, lookup_tokens)
     rows = plan.stored([k in written for k in plan.keys])
     hit = compute_hit(scheduler, lookup_tokens, rows, eagle=eagle)
-    assert hit.tokens == brute_hit(scheduler, lookup_tokens, rows, eagle)
+    assert hit.hit_tokens == brute_hit(scheduler, lookup_tokens, rows, eagle)
     for (r, c, p), geo in ranks:
         own = group_bytes
-        for chunk in load_plan(geo, hashes, block_ids(layout, len(hashes)), hit.tokens, hit.tails):
+        for chunk in load_plan(geo, hashes, block_ids(layout, len(hashes)), hit.hit_tokens, hit.tail_boundaries):
             # Servable by every namespace: the key was written, by a rank holding exactly these bytes.
             assert chunk.key in written, chunk
             mine = own(layout, layout.groups[chunk.group], r, c, p)
@@ -196,19 +196,21 @@ def test_random_stored_sets_hit_is_maximal_servable_and_every_key_matters(layout
     present = {k for k in plan.keys if rng.random() < keep}
     rows = plan.stored([k in present for k in plan.keys])
     hit = compute_hit(scheduler, num_tokens, rows, eagle=eagle)
-    assert hit.tokens == brute_hit(scheduler, num_tokens, rows, eagle)
-    assert hit.tokens % scheduler.unit == 0 and hit.tokens <= max(0, num_tokens - 1)
+    assert hit.hit_tokens == brute_hit(scheduler, num_tokens, rows, eagle)
+    assert hit.hit_tokens % scheduler.unit == 0 and hit.hit_tokens <= max(0, num_tokens - 1)
     needed: set[str] = set()
     for _, geo in ranks:
-        keys = {c.key for c in load_plan(geo, hashes, block_ids(layout, n), hit.tokens, hit.tails)}
+        keys = {c.key for c in load_plan(geo, hashes, block_ids(layout, n), hit.hit_tokens, hit.tail_boundaries)}
         assert keys <= present  # a reported hit is servable by every namespace
         needed |= keys
     for key in sorted(needed):
         rows_without = plan.stored([k in present and k != key for k in plan.keys])
         after = compute_hit(scheduler, num_tokens, rows_without, eagle=eagle)
         # A missing key lowers the hit, unless it was a tail with another stored boundary in its block.
-        assert after.tokens < hit.tokens or (after.tokens == hit.tokens and after.tails != hit.tails), key
-        assert after.tokens <= hit.tokens
+        assert after.hit_tokens < hit.hit_tokens or (
+            after.hit_tokens == hit.hit_tokens and after.tail_boundaries != hit.tail_boundaries
+        ), key
+        assert after.hit_tokens <= hit.hit_tokens
 
 
 @SETTINGS

@@ -14,11 +14,11 @@ from kvsidecar_contract.placement import (
     Geometry,
     GroupSpec,
     Hit,
-    InvalidRequest,
     Kind,
     Layout,
     PackedHashes,
     Parallel,
+    RequestMismatch,
     StagedLookup,
     compute_hit,
     lookup_plan,
@@ -93,7 +93,7 @@ def test_a_store_failing_every_probe_is_a_degraded_miss(layout, n, eagle):
     assert staged.answer() == Hit(0, (0,) * len(geo.groups))
     best = compute_hit(geo, n * u + 1, plan.stored([True] * len(plan.keys)), eagle=eagle)
     # The first stage's keys all failed, so the answer says it is degraded, unless no store could give a hit.
-    assert asked or best.tokens == 0
+    assert asked or best.hit_tokens == 0
 
 
 def bench_geometry() -> Geometry:
@@ -117,7 +117,7 @@ def test_a_partial_hit_stops_stage_one_at_the_first_missing_block():
     answer = {k: PRESENT if int(k.rsplit("@", 1)[1], 16) < 100 else ABSENT for k in plan.keys}
     staged, asked = run_staged(geo, hashes, 1000 * 16, False, answer)
     assert staged.answer() == compute_hit(geo, 1000 * 16, plan.stored([answer[k] == PRESENT for k in plan.keys]))
-    assert staged.answer().tokens == 1600
+    assert staged.answer().hit_tokens == 1600
     assert len(asked) < len(plan.keys) // 4
 
 
@@ -125,5 +125,5 @@ def test_recording_the_wrong_number_of_answers_is_refused():
     geo = bench_geometry()
     staged = StagedLookup(geo, hashes_for(64, 16), 64)
     staged.next_keys()
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(RequestMismatch):
         staged.record([True])

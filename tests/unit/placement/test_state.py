@@ -311,12 +311,12 @@ def test_random_hybrids_read_exactly_the_state_another_tp_size_wrote(case, saved
     # A reader of another TP size hits exactly where the writer's own TP size would: every piece is found.
     hit = hits[1]
     assert hit == hits[0]
-    event(f"across TP sizes: {writer.parallel.tp_size != reader.parallel.tp_size}, hit: {hit.tokens > 0}")
+    event(f"across TP sizes: {writer.parallel.tp_size != reader.parallel.tp_size}, hit: {hit.hit_tokens > 0}")
     for r in range(reader.parallel.tp_size):
         for p in range(reader.parallel.pp_size):
             lay = reader.for_rank(r, 0, p)
             ids = [list(range(4)) for _ in reader.groups]
-            for c in load_plan(Geometry.of(lay), H, ids, hit.tokens, hit.tails):
+            for c in load_plan(Geometry.of(lay), H, ids, hit.hit_tokens, hit.tail_boundaries):
                 assert c.key in written, c
                 if c.group in layers:
                     assert written[c.key][1] == piece_bytes(lay, layers[c.group], c.group, r, c.part, c.boundary)

@@ -16,7 +16,7 @@ from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest, DaemonError, Exhausted
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.runtime import GpuRuntime
-from kvsidecar.rpc.servicer import SidecarService
+from kvsidecar.rpc.dispatch import Dispatcher
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.values import LookupArgs, Role, SaveArgs
@@ -52,7 +52,7 @@ class Parts:
     gpu: GpuRuntime
     sessions: SessionRegistry
     datapath: DataPath
-    service: SidecarService
+    service: Dispatcher
     events: Events
 
 
@@ -74,7 +74,7 @@ def build(tmp_path: Path, **flags: object) -> Parts:
 def parts(tmp_path):
     built = build(tmp_path, max_sessions=2, max_lookup_hashes=8)
     yield built
-    built.service.shutdown_pools()
+    built.service.shutdown()
     built.gpu.stop()
 
 
@@ -87,7 +87,7 @@ def test_a_save_through_the_built_data_path_reaches_the_store_and_the_events(par
     assert not saved.failures and saved.written == len(parts.store.keys()) > 0
     assert sum(parts.events.writes) == saved.written  # the events given at construction heard of every value
     assert (
-        parts.datapath.lookup(rank.session, LookupArgs(hashes, 65)).hit.tokens == 64
+        parts.datapath.lookup(rank.session, LookupArgs(hashes, 65)).hit_tokens == 64
     )  # the last token is always computed
 
 
@@ -103,7 +103,8 @@ def test_each_part_runs_with_its_own_settings_from_the_config(parts):
     with pytest.raises(Exhausted, match="--max-sessions"):
         parts.sessions.open(Role.RANK, model.layout(1), 32, "test")
     # The service serves over the very parts built before it; without a GPU path it says so.
-    assert parts.service.datapath is parts.datapath and parts.service.sessions is parts.sessions
+    handlers = parts.service.handlers
+    assert handlers.datapath is parts.datapath and handlers.sessions is parts.sessions
     assert parts.gpu.describe().startswith("off")
 
 

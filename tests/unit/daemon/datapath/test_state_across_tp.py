@@ -64,7 +64,7 @@ def test_every_reader_rank_loads_exactly_its_own_state_from_any_writer_tp(name, 
     assert engines.store.used_bytes == len(WRITER_IDS) * sum(r.block_bytes for r in one.regions) + trailers
     for rank in engines.ranks(reader_tp, share):
         hit = engines.lookup(rank, hashes(), TOKENS + 1)
-        assert hit.tokens == TOKENS, f"reader rank {rank.rank}: {hit}"
+        assert hit.hit_tokens == TOKENS, f"reader rank {rank.rank}: {hit}"
         assert engines.load(rank, hashes(), READER_IDS, hit) == []
         assert engines.expected(rank, hashes(), READER_IDS, TOKENS) == []
 
@@ -84,7 +84,7 @@ def test_a_mix_of_every_layer_kind_and_pieces_of_several_heads(writer_tp, reader
         assert all(not s.failures and not s.skipped for s in saved)
         for rank in engines.ranks(reader_tp, 8):
             hit = engines.lookup(rank, hashes(), TOKENS + 1)
-            assert hit.tokens == TOKENS
+            assert hit.hit_tokens == TOKENS
             assert engines.load(rank, hashes(), READER_IDS, hit) == []
             assert engines.expected(rank, hashes(), READER_IDS, TOKENS) == []
     finally:
@@ -98,7 +98,7 @@ def test_state_kept_per_layout_is_a_miss_for_another_tp_size_never_its_bytes():
         engines = Engines(model)
         engines.save(engines.ranks(2, writer_share), hashes(), WRITER_IDS, TOKENS)
         for rank in engines.ranks(4, reader_share):
-            assert engines.lookup(rank, hashes(), TOKENS + 1).tokens == 0
+            assert engines.lookup(rank, hashes(), TOKENS + 1).hit_tokens == 0
 
 
 def test_one_missing_piece_rejects_the_boundary_for_every_reader():
@@ -111,4 +111,4 @@ def test_one_missing_piece_rejects_the_boundary_for_every_reader():
     assert len(head5) == 1
     engines.store.remove(head5)
     for tp in TPS:
-        assert {engines.lookup(r, hashes(), TOKENS + 1).tokens for r in engines.ranks(tp, share)} == {48}
+        assert {engines.lookup(r, hashes(), TOKENS + 1).hit_tokens for r in engines.ranks(tp, share)} == {48}

@@ -24,9 +24,9 @@ from kvsidecar.store import StoreCode
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.budget import WriteBudget
 from kvsidecar.values import Failure, LoadArgs, LookupArgs, SaveArgs, SaveOutcome
-from kvsidecar_contract.placement import save_plan
+from kvsidecar_contract.placement import NO_BLOCK, save_plan
 from kvsidecar_testing.hashes import chained_hashes
-from support.stateranks import Attention, Model, Rank
+from support.stateranks import Attention, Latent, Model, Rank
 
 MODEL = Model((Attention(),), kv_heads=2, layers=1)
 HASHES = chained_hashes("prompt", 4)
@@ -89,6 +89,27 @@ def test_a_save_writes_each_block_once_and_a_load_brings_back_exactly_its_bytes(
     assert all(value(reader, b) == value(rank(store), b) for b in untouched)
 
 
+def test_a_load_of_the_groups_it_carries_reads_those_and_reports_no_other_groups_blocks_failed():
+    # One group per call, as SGLang moves its pools: the other group's blocks are NO_BLOCK and not part of the load.
+    model = Model((Attention(), Latent()), kv_heads=2, layers=1)
+    store, metrics = MemoryStore(), Metrics(CollectorRegistry())
+    dp = DataPath(store, metrics)
+    writer = Rank(model, model.layout(1), store)
+    writer.fill(HASHES, WRITER_IDS)
+    assert dp.save(writer.session, SaveArgs(HASHES, [WRITER_IDS, WRITER_IDS], TOKENS)).written == 8
+    reader = Rank(model, model.layout(1), store)
+    latent_only = [[NO_BLOCK] * 4, READER_IDS]
+    out = dp.load(reader.session, LoadArgs(HASHES, latent_only, TOKENS, (TOKENS, TOKENS), carried=[1]))
+    assert (out.loaded, out.failures) == (4, ())
+    assert [reader.regions[-1].read(b) for b in READER_IDS] == [writer.regions[-1].read(b) for b in WRITER_IDS]
+    failed = {"group_kind": "full_attention", "reason": Reason.NO_BLOCK.value}
+    assert not metrics.registry.get_sample_value("kvsidecar_load_failed_blocks_total", failed)
+    # Without carried groups the same load reports the attention group's four blocks failed (what it did before).
+    out = dp.load(reader.session, LoadArgs(HASHES, latent_only, TOKENS, (TOKENS, TOKENS)))
+    assert [f.reason for f in out.failures] == [Reason.NO_BLOCK] * 4
+    assert metrics.registry.get_sample_value("kvsidecar_load_failed_blocks_total", failed) == 4
+
+
 def test_a_lookup_hits_up_to_the_first_missing_block_and_a_failed_probe_is_a_degraded_miss():
     store = MemoryStore()
     dp = path(store)
@@ -96,14 +117,14 @@ def test_a_lookup_hits_up_to_the_first_missing_block_and_a_failed_probe_is_a_deg
     save(dp, writer)
     scheduler = rank(store).session
     out = dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1))
-    assert (out.hit.tokens, out.degraded, out.detail) == (TOKENS, False, "")
+    assert (out.hit_tokens, out.degraded, out.detail) == (TOKENS, False, "")
     # The third block gone: a hit never extends past a miss.
     store.remove([keys(writer)[2]])
-    assert dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1)).hit.tokens == 32
+    assert dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1)).hit_tokens == 32
     # A probe the store cannot answer counts as missing, and the answer says it may be short.
     store.fail_keys(StoreCode.RPC_TIMEOUT, [keys(writer)[1]], ["exists"])
     out = dp.lookup(scheduler, LookupArgs(HASHES, TOKENS + 1))
-    assert out.hit.tokens == 16 and out.degraded and "existence probes failed" in out.detail
+    assert out.hit_tokens == 16 and out.degraded and "existence probes failed" in out.detail
 
 
 def test_blocks_failing_in_the_store_are_named_with_its_code_and_the_others_go_through():
@@ -205,4 +226,4 @@ def test_a_lookup_of_more_hashes_than_the_limit_is_refused_naming_it():
     dp = path(store, max_lookup_hashes=3)
     with pytest.raises(BadRequest, match=r"a Lookup of 4 block hashes: at most 3 per call \(--max-lookup-hashes\)"):
         dp.lookup(rank(store).session, LookupArgs(HASHES, TOKENS + 1))
-    assert dp.lookup(rank(store).session, LookupArgs(HASHES[:3], 49)).hit.tokens == 0
+    assert dp.lookup(rank(store).session, LookupArgs(HASHES[:3], 49)).hit_tokens == 0

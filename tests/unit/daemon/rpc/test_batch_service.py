@@ -147,7 +147,7 @@ def test_batch_limits_hold_for_the_items_together():
     wide = [pb.LoadItem(name=n, request=pb.LoadRequest(block_ids=ids)) for n in "ab"]
     with pytest.raises(BadRequest, match="block ids per batch"):
         wire.batch_items(wide, "LoadBatch")
-    assert wire.batch_items([one], "SaveBatch") == [("a", one.request)]
+    assert wire.batch_items([one], "SaveBatch") == [one]
 
 
 def test_item_errors_carry_the_status_code_number():

@@ -70,7 +70,7 @@ def test_failed_puts_are_counted_and_named(daemon, store, rank):
     assert (during.written, during.skipped, during.failed, puts) == (0, 5, 3, [])
     # Lookups and loads do not back off.
     assert rank.lookup(H[:4], 65).hit_tokens == 0  # block 0 of attention is missing
-    backoff = daemon.daemon.service.datapath.backoff
+    backoff = daemon.daemon.dispatcher.handlers.datapath.backoff
     wait_until(lambda: not backoff.active(), timeout=30, what="the saves' backoff after a full store ended")
     # After the backoff a save writes what failed (existence check first, so nothing is written twice).
     again = rank.save(H[:4], [[0, 1, 2, 3]] * 2, 64)

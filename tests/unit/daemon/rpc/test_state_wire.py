@@ -3,26 +3,19 @@ a state that cannot be cut or described is refused at OpenSession with INVALID_A
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
 import grpc
 import pytest
 
-from kvsidecar.datapath.transfers import DataPath
-from kvsidecar.metrics import Metrics
-from kvsidecar.movers.factory import Movers
 from kvsidecar.rpc import wire
-from kvsidecar.rpc.servicer import SidecarService
-from kvsidecar.sessions.registry import SessionRegistry
-from kvsidecar.store.memory_store import MemoryStore
-from kvsidecar.tenancy.live import Tenancy
 from kvsidecar_contract.placement import InvalidLayout, RecurrentState
 from kvsidecar_contract.proto import sidecar_pb2 as pb
 from kvsidecar_contract.state_wire import state_from_message, state_to_message
 from kvsidecar_testing.states import GatedDeltaNet, Kda, Mamba2
 from support.rawrank import group, open_request
+from support.servicer import call, refused, service
 
 STATES = [
     Mamba2(8, 4, 2, 16).state(),
@@ -61,39 +54,6 @@ def test_the_daemons_value_id_of_a_piece_is_one_at_every_tp_size_and_differs_wit
     assert len(per_layout) == 2
 
 
-def _service() -> SidecarService:
-    store, metrics = MemoryStore(), Metrics()
-    sessions = SessionRegistry(30, Movers(store, metrics), metrics=metrics)
-    return SidecarService(DataPath(store, metrics), sessions, Tenancy(metrics, ""), metrics, workers=2)
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _Context:
-    def peer(self) -> str:
-        return "unix:"
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-    def auth_context(self) -> dict[str, list[bytes]]:
-        return {}
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Aborted(code, details)
-
-
-def _open(svc: SidecarService, req: pb.OpenSessionRequest) -> Any:
-    return asyncio.run(svc.OpenSession(req, _Context()))
-
-
 def _bad(**fields: Any) -> pb.RecurrentState:
     message = state_to_message(Mamba2(8, 4, 2, 16).state())
     for path, value in fields.items():
@@ -121,12 +81,11 @@ def _bad(**fields: Any) -> pb.RecurrentState:
     ids=["unshardable", "part-of-a-piece", "uneven-pieces", "empty-axis", "no-inner", "unknown-axis", "empty"],
 )
 def test_a_state_that_cannot_be_cut_or_described_is_refused_at_open_session_with_the_reason(req, reason):
-    svc = _service()
-    with pytest.raises(_Aborted) as err:
-        _open(svc, req)
-    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
-    assert re.search(reason, err.value.details), err.value.details
-    assert not svc.sessions.snapshot()
+    svc = service()
+    err = refused(svc, "OpenSession", req)
+    assert err.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(reason, err.details), err.details
+    assert not svc.handlers.sessions.snapshot()
 
 
 def test_a_state_on_an_attention_group_is_refused_with_the_reason():
@@ -143,9 +102,9 @@ def test_an_oversized_state_message_is_refused_before_anything_is_built():
 
 
 def test_a_session_with_a_cuttable_state_opens():
-    svc = _service()
-    answer = _open(svc, hybrid(Mamba2(8, 4, 2, 16).state(), tp=2, rank=1))
+    svc = service()
+    answer = call(svc, "OpenSession", hybrid(Mamba2(8, 4, 2, 16).state(), tp=2, rank=1))
     assert answer.session_id
-    (session,) = svc.sessions.snapshot()
+    (session,) = svc.handlers.sessions.snapshot()
     # Rank 1 of TP 2 holds heads 4-7 and group 1: five pieces of the state group's block.
     assert session.layout.values_per_block(1) == 5

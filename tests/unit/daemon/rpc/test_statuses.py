@@ -22,7 +22,7 @@ from kvsidecar.errors import (
 from kvsidecar.rpc.statuses import MAX_REASON_CHARS, status_of
 from kvsidecar.store import StoreCode
 from kvsidecar.store.base import StoreUnavailable
-from kvsidecar_contract.placement import InvalidLayout, InvalidRequest
+from kvsidecar_contract.placement import InvalidLayout, RequestMismatch
 
 C = grpc.StatusCode
 DAEMON = Path(__file__).resolve().parents[4] / "kvsidecar"
@@ -33,7 +33,7 @@ DAEMON = Path(__file__).resolve().parents[4] / "kvsidecar"
     [
         (BadRequest("block hash 1 has 3 bytes"), C.INVALID_ARGUMENT, "block hash 1 has 3 bytes"),
         (InvalidLayout("dcp_size 3 must divide tp_size 4"), C.INVALID_ARGUMENT, "dcp_size 3 must divide tp_size 4"),
-        (InvalidRequest("hit past the prompt"), C.INVALID_ARGUMENT, "hit past the prompt"),
+        (RequestMismatch("hit past the prompt"), C.INVALID_ARGUMENT, "hit past the prompt"),
         (UnknownSession("unknown session 'x'"), C.NOT_FOUND, "unknown session 'x'"),
         (OutOfOrder("call RegisterMemory once"), C.FAILED_PRECONDITION, "call RegisterMemory once"),
         (Forbidden("a scheduler session"), C.PERMISSION_DENIED, "a scheduler session"),
@@ -85,5 +85,8 @@ def test_wire_only_converts():
         "kvsidecar.memory.regions",
         "kvsidecar.sessions.registry",
         "kvsidecar.rpc.servicer",
+        "kvsidecar.rpc.dispatch",
+        "kvsidecar.rpc.handlers",
     }
     assert not _imports(DAEMON / "rpc" / "wire.py") & forbidden
+    assert "grpc.method_handlers_generic_handler" not in (DAEMON / "rpc" / "wire.py").read_text()

@@ -14,7 +14,6 @@ from kvsidecar.values import (
     CudaHandle,
     Failure,
     LoadOutcome,
-    LookupOutcome,
     RegionRequest,
     Role,
     SaveOutcome,
@@ -96,7 +95,7 @@ def test_outcomes_become_responses():
         1,
     )
     assert [(f.group, f.block_id, f.reason) for f in saved.failures] == list(failures)
-    hit = wire.lookup_response(LookupOutcome(Hit(48, (48, 32)), True, "1 of 9 existence probes failed"))
+    hit = wire.lookup_response(Hit(48, (48, 32), True, "1 of 9 existence probes failed"))
     assert (hit.hit_tokens, list(hit.tail_boundaries), hit.degraded, hit.detail) == (
         48,
         [48, 32],
