@@ -20,6 +20,7 @@ from kvsidecar.memory.mappings import Opener
 from kvsidecar.memory.regions import SessionMemory
 from kvsidecar.metrics import Metrics
 from kvsidecar.movers.factory import Movers
+from kvsidecar.movers.trailer import ChecksumSettings
 from kvsidecar.rpc import wire
 from kvsidecar.sessions.registry import SessionRegistry
 from kvsidecar.store import Presence, StoreCode, StoreHealth
@@ -83,7 +84,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    movers = Movers(StubStore(False))
+    movers = Movers(StubStore(False), checksums=ChecksumSettings("off"))  # the stub writes no trailers
     sessions = SessionRegistry(60, movers)
     print("| request | ms (median) |")
     print("| --- | --- |")

@@ -162,14 +162,14 @@ class EngineMemory:
 
     @classmethod
     def shared(cls, shape: ModelShape, num_blocks: int, seed: int = 0) -> EngineMemory:
-        """Tensors in named shared memory the daemon can map (kvsidecar_client.shared_tensor)."""
+        """Tensors in shared memory the daemon can map (kvsidecar_client.shared_tensor), laid out as vLLM's CPU
+        worker allocates its KV cache: one allocation (one memfd), every layer a view of it, layer after layer."""
         import torch
 
         from kvsidecar_client import shared_tensor
 
-        tensors = [
-            shared_tensor((num_blocks, BLOCK_TOKENS, *shape.token_dims), torch.bfloat16) for _ in range(shape.regions)
-        ]
+        whole = shared_tensor((shape.regions, num_blocks, BLOCK_TOKENS, *shape.token_dims), torch.bfloat16)
+        tensors = list(whole.unbind(0))
         memory = cls(shape, tensors)
         memory.fill(seed)
         return memory

@@ -1,4 +1,5 @@
-"""Saves in flight: each sent as a blocking call from a small pool of client threads, completing its job's future.
+"""Saves in flight: each sent as a blocking call from a small pool of client threads, completing its job's future;
+a save still waiting for one when the engine waits on its job (SaveJob.result) is sent from the waiting thread.
 
 A gRPC future would start a thread of its own for every call: measured here, +0.1 ms p50 and ~4x the p99 of a save.
 """
@@ -36,10 +37,11 @@ class SaveSender:
         self._pool = concurrent.futures.ThreadPoolExecutor(_SAVE_WORKERS, "kvsidecar-save")
 
     def send(self, request: pb.SaveRequest, deadline: float) -> SaveJob:
-        """Send one Save from a save thread."""
+        """Send one Save from a save thread, or from the thread that waits for it first (SaveJob.result)."""
         future = self._future()
-        self._submit("Save", [future], self._send_save, request, deadline, future)
-        return SaveJob(future)
+        once = _Once(self._send_save, request, deadline, future)
+        self._submit("Save", [future], once)
+        return SaveJob(future, once)
 
     def send_batch(
         self, names: list[str], batch: Batch[pb.SaveItem, SaveResult], deadline: float
@@ -68,12 +70,16 @@ class SaveSender:
                 future.set_exception(ClientClosed("the client is closed", method=method))
 
     def _send_save(self, request: pb.SaveRequest, deadline: float, future: Future) -> None:
-        # Runs on a save thread; a lost session is re-opened and the save re-sent once (SessionKeeper.call).
+        # Runs on a save thread or the waiting caller's (_Once); a lost session is re-opened and the save re-sent
+        # once (SessionKeeper.call).
         try:
             response = self._keeper.call("Save", request, remaining(deadline, "Save"))
-        except Exception as error:
-            # A job always completes: the engine waits on it before reusing its blocks.
+        except BaseException as error:
+            # A job always completes: the engine waits on it before reusing its blocks. On the caller's thread a
+            # KeyboardInterrupt completes it too, and goes on up to the caller.
             future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
         else:
             future.set_result(SaveResult.from_proto(response))
 
@@ -95,6 +101,20 @@ class SaveSender:
     def _untrack(self, future: Future) -> None:
         with self._pending_lock:
             self._pending.discard(future)
+
+
+class _Once:
+    """A call run by whichever thread comes first: a save thread, or the caller waiting for the save."""
+
+    __slots__ = ("_args", "_fn", "_taken")
+
+    def __init__(self, fn: Callable[..., None], *args: object) -> None:
+        self._fn, self._args = fn, args
+        self._taken = threading.Lock()
+
+    def __call__(self) -> None:
+        if self._taken.acquire(blocking=False):
+            self._fn(*self._args)
 
 
 def _complete(future: Future, outcome: SaveResult | Exception) -> None:

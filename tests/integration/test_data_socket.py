@@ -95,6 +95,17 @@ def test_saves_and_loads_travel_the_data_socket_byte_exact_and_grpc_only_clients
             [sys.executable, "-m", "kvsidecar", "status", "--socket", daemon.socket], capture_output=True, text=True,
             timeout=60,
         ).stdout  # fmt: skip
+        # A save waited on at once (result() with no timeout) is sent from the waiting thread: no hand-off to a save
+        # thread and back. One nobody waits on yet goes from a save thread. Same answers and bytes either way.
+        senders: list[int] = []
+        call = client._keeper.call
+        client._keeper.call = lambda *a: senders.append(threading.get_ident()) or call(*a)  # type: ignore[method-assign]
+        waited = chained_hashes("waited on at once", 3)
+        assert client.save(waited, [[8, 9, 10]], 3 * U).result().written == 3
+        assert client.save(chained_hashes("left to a save thread", 2), [[11, 12]], 2 * U).result(60).written == 2
+        assert senders[0] == threading.get_ident() != senders[1], senders
+        hit = client.lookup(waited, 3 * U + 1)
+        assert client.load(waited, [[24, 25, 26]], hit) == set() and torch.equal(kv[24:27], kv[8:11])
     finally:
         client.close()
         plain.close()
