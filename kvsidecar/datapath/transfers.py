@@ -11,12 +11,13 @@ import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_outcome, save_failed, save_outcome
 from kvsidecar.datapath.backoff import NoSpaceBackoff
 from kvsidecar.datapath.retention import Retainer, RetentionPlan
 from kvsidecar.datapath.retries import RetryPolicy, retry_transient
+from kvsidecar.datapath.timing import Observer, Timed
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory.regions import SessionMemory
@@ -75,7 +76,7 @@ class DataPath:
         self.events = events
         self.retries = retries or RetryPolicy()
         self.retention = retention or Retainer(store, RetentionLedger(lambda tenant: 0, max_seconds=1.0), metrics)
-        self._histograms: dict[str, Observer] = {}
+        self._histograms: dict[str, Observer] = {}  # store_operation_seconds, by operation
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -358,34 +359,12 @@ class DataPath:
                 log.error("could not remove %d values saved past their deadline: %s", len(written), exc)
         return [StoreCode.DEADLINE_EXCEEDED] * len(codes)
 
-    def _timed(self, operation: str) -> _Timed:
+    def _timed(self, operation: str) -> Timed:
         """Times a store call into store_operation_seconds (the label's child looked up once per data path)."""
         histogram = self._histograms.get(operation)
         if histogram is None:
             histogram = self._histograms[operation] = self.metrics.store_operation_seconds.labels(operation)
-        return _Timed(histogram)
-
-
-class Observer(Protocol):
-    """A histogram's child, as prometheus_client makes it."""
-
-    def observe(self, amount: float) -> None: ...
-
-
-class _Timed:
-    """One store call's duration into its histogram, error or not (a class: cheaper per call than a generator)."""
-
-    __slots__ = ("_histogram", "_start")
-
-    def __init__(self, histogram: Observer) -> None:
-        self._histogram = histogram
-        self._start = 0.0
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self._histogram.observe(time.perf_counter() - self._start)
+        return Timed(histogram)
 
 
 class _Save(NamedTuple):
