@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import tempfile
@@ -173,11 +174,13 @@ def main() -> None:
                 points: dict[tuple[str, int, str], Point] = defaultdict(Point)
                 threads: dict[str, dict[str, float]] = {}
                 before_threads = {n: thread_cpu(d.daemon.pid) for n, d in daemons.items()}
+                orders = list(itertools.permutations(zip(names, paths, strict=True)))
                 for n in blocks:
                     request = Request.of(shape, f"crossing/{shape.name}/{n}/{time.time()}", n, top)
                     for r in range(args.rounds + 1):
-                        order = list(zip(names, paths, strict=True))
-                        order = order[r % len(order) :] + order[: r % len(order)]
+                        # Every order in turn: a path's rate depends on the path run just before it (what that
+                        # left in the caches and the run queue), so rotations alone favour the path listed second.
+                        order = orders[r % len(orders)]
                         for op in ("save", "load"):
                             for name, p in order:
                                 call = p.save if op == "save" else p.load

@@ -56,7 +56,10 @@ def retry_transient(
 ) -> list[Code]:
     """call(items) -> one code per item; the items whose code is a transient StoreCode are called again, as the
     policy allows. on_retry(code, count) hears of each retry, by the code it retries."""
-    codes = dict(zip(items, call(items), strict=True))
+    first = call(items)
+    if len(first) == len(items) and not any(isinstance(code, StoreCode) and code in TRANSIENT for code in first):
+        return first  # nearly every call: nothing to try again
+    codes = dict(zip(items, first, strict=True))
     retry = 0
     while True:
         transient = {i: code for i in items if isinstance(code := codes[i], StoreCode) and code in TRANSIENT}

@@ -17,6 +17,7 @@ from kvsidecar.datapath.accounting import ChunkResult, Saved, kinds_of, load_out
 from kvsidecar.datapath.backoff import NoSpaceBackoff
 from kvsidecar.datapath.retention import Retainer, RetentionPlan
 from kvsidecar.datapath.retries import RetryPolicy, retry_transient
+from kvsidecar.datapath.timing import Observer, Timed
 from kvsidecar.errors import BadRequest, StoreError
 from kvsidecar.events.feed import NO_EVENTS, StoreEvents
 from kvsidecar.memory.regions import SessionMemory
@@ -75,6 +76,7 @@ class DataPath:
         self.events = events
         self.retries = retries or RetryPolicy()
         self.retention = retention or Retainer(store, RetentionLedger(lambda tenant: 0, max_seconds=1.0), metrics)
+        self._histograms: dict[str, Observer] = {}  # store_operation_seconds, by operation
 
     def save(self, session: Session, request: SaveArgs, deadline: float | None = None) -> SaveOutcome:
         """Write this rank's missing chunks: one existence check, then one zero-copy batch put.
@@ -105,7 +107,7 @@ class DataPath:
             wants = (
                 [s.args.retention for s in staged for _ in s.plan.chunks]
                 if any(s.args.retention is not None for s in staged)
-                else [None] * len(chunks)
+                else None
             )
             results, kept = (
                 self._put_missing(session, mover, chunks, deadline, wants) if chunks else ([], RetentionPlan())
@@ -140,7 +142,7 @@ class DataPath:
         self.events.stored(
             session.tenant, session.geometry, request.hashes, written, request.tokens, request.tokens_start
         )
-        return outcome._replace(retained=retained, unretained=unretained)
+        return outcome._replace(retained=retained, unretained=unretained) if retained or unretained else outcome
 
     def _put_missing(
         self,
@@ -148,10 +150,10 @@ class DataPath:
         mover: Mover,
         chunks: Sequence[Chunk],
         deadline: float | None,
-        wants: Sequence[RetentionArgs | None],
+        wants: Sequence[RetentionArgs | None] | None,
     ) -> tuple[list[ChunkResult] | StoreCode, RetentionPlan]:
         """Per chunk: PRESENT (already stored), WRITTEN, or why its write failed; a StoreCode if none was asked.
-        With the retention each chunk's request asked, and what became of it."""
+        With the retention each chunk's request asked (wants None: none asked), and what became of it."""
         memory = mover.memory
         keys = [c.key for c in chunks]
         try:
@@ -160,7 +162,7 @@ class DataPath:
         except StoreError as exc:
             self.metrics.store_errors.labels("exists", exc.code.value).inc()
             return exc.code, RetentionPlan()
-        kept = self.retention.plan(session, memory, chunks, wants, presence)
+        kept = RetentionPlan() if wants is None else self.retention.plan(session, memory, chunks, wants, presence)
         results: list[ChunkResult] = [Saved.PRESENT] * len(chunks)
         # A key twice in one batch (two requests of a step computing the same prefix) is written once, and its
         # repeat shares the outcome: the bytes behind one key are the same whichever block holds them.
@@ -189,8 +191,14 @@ class DataPath:
             # A full store is evicting in the background; hammering it only slows that down.
             codes = [StoreCode.NO_SPACE] * len(todo)
         elif todo:
+            # Most saves write every chunk they carry: those go as they are, without copies.
+            every = len(todo) == len(chunks)
             with self._timed("put"):
-                codes = mover.put([keys[j] for j in todo], [chunks[j] for j in todo], kept.pins(todo))
+                codes = mover.put(
+                    keys if every else [keys[j] for j in todo],
+                    chunks if every else [chunks[j] for j in todo],
+                    kept.pins(todo),
+                )
             self.backoff.record(StoreCode.NO_SPACE in codes)
             if _past(deadline):
                 codes = self._revoke([keys[j] for j in todo], codes)
@@ -296,23 +304,32 @@ class DataPath:
         read in n batches, its k-th block in the k-th, so that no batch names a key twice: Mooncake fills only the
         last of a key's places in one batch and reports every one read. A transient failure is read again while the
         deadline allows."""
+        keys = [c.key for c in chunks]
+        retried = self.metrics.store_retries.labels
+
+        def read(batch: Sequence[int]) -> list[Loaded]:
+            whole = len(batch) == len(chunks)  # the first round of a batch naming no key twice: as it is
+            with self._timed("get"):
+                return mover.get(
+                    keys if whole else [keys[j] for j in batch], chunks if whole else [chunks[j] for j in batch]
+                )
+
+        def on_retry(code: StoreCode, n: int) -> None:
+            retried("get", code.value).inc(n)
+
+        if len(set(keys)) == len(keys):  # nearly every load: one round
+            return retry_transient(read, range(len(chunks)), self.retries, deadline, on_retry)
         codes: list[Loaded] = [StoreCode.OK] * len(chunks)
         seen: dict[str, int] = {}
         rounds: list[list[int]] = []
-        for j, c in enumerate(chunks):
-            k = seen.get(c.key, 0)
-            seen[c.key] = k + 1
+        for j, key in enumerate(keys):
+            k = seen.get(key, 0)
+            seen[key] = k + 1
             if k == len(rounds):
                 rounds.append([])
             rounds[k].append(j)
-
-        def read(batch: Sequence[int]) -> list[Loaded]:
-            with self._timed("get"):
-                return mover.get([chunks[j].key for j in batch], [chunks[j] for j in batch])
-
-        retried = self.metrics.store_retries.labels
         for batch in rounds:
-            got = retry_transient(read, batch, self.retries, deadline, lambda c, n: retried("get", c.value).inc(n))
+            got = retry_transient(read, batch, self.retries, deadline, on_retry)
             for j, code in zip(batch, got, strict=True):
                 codes[j] = code
         return codes
@@ -342,13 +359,12 @@ class DataPath:
                 log.error("could not remove %d values saved past their deadline: %s", len(written), exc)
         return [StoreCode.DEADLINE_EXCEEDED] * len(codes)
 
-    @contextmanager
-    def _timed(self, operation: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.metrics.store_operation_seconds.labels(operation).observe(time.perf_counter() - start)
+    def _timed(self, operation: str) -> Timed:
+        """Times a store call into store_operation_seconds (the label's child looked up once per data path)."""
+        histogram = self._histograms.get(operation)
+        if histogram is None:
+            histogram = self._histograms[operation] = self.metrics.store_operation_seconds.labels(operation)
+        return Timed(histogram)
 
 
 class _Save(NamedTuple):

@@ -54,38 +54,57 @@ class HostMover:
         """One batch put per pin asked, straight from the blocks' slices; a chosen value's trailer (sealed from
         them) after them."""
         sums = self._sums
-        members = [i for i, c in enumerate(sums.chosen(keys)) if c]
+        members = sums.members(keys)
+        addresses, sizes = self._buffers(chunks)
+        if not members:  # no value of the batch carries a trailer: most batches of sampled checksums, all of off
+            return self._put(keys, addresses, sizes, pins)
         with sums.trailers(len(members)) as trailers:
-            addresses, sizes = self._buffers(chunks, members, trailers)
+            _trail(members, trailers, addresses, sizes)
             value_bytes = self._value_bytes([chunks[i] for i in members])
             sealed = sums.seal([keys[i] for i in members], lambda k: self._bytes(chunks[members[k]]), value_bytes)
             trailers.write(sealed)
-            codes = [StoreCode.OK] * len(keys)
-            for pin, these in by_pin(pins, range(len(keys))):
-                try:
-                    got = self._store.put_from(
-                        [keys[n] for n in these], [addresses[n] for n in these], [sizes[n] for n in these], pin=pin
-                    )
-                except StoreError as exc:
-                    count_failure(self._metrics, "put", exc.code)
-                    got = [exc.code] * len(these)
-                for n, code in zip(these, got, strict=True):
-                    codes[n] = code
-            return codes
+            return self._put(keys, addresses, sizes, pins)
+
+    def _put(
+        self,
+        keys: Sequence[str],
+        addresses: list[list[int]],
+        sizes: list[list[int]],
+        pins: Sequence[Pin | None] | None,
+    ) -> list[StoreCode]:
+        """One batch put per pin asked (pins None: one, of them all, ordinary cache)."""
+        if pins is None:
+            return self._put_batch(keys, addresses, sizes, None)
+        codes = [StoreCode.OK] * len(keys)
+        for pin, these in by_pin(pins, range(len(keys))):
+            got = self._put_batch(
+                [keys[n] for n in these], [addresses[n] for n in these], [sizes[n] for n in these], pin
+            )
+            for n, code in zip(these, got, strict=True):
+                codes[n] = code
+        return codes
+
+    def _put_batch(
+        self, keys: Sequence[str], addresses: list[list[int]], sizes: list[list[int]], pin: Pin | None
+    ) -> list[StoreCode]:
+        try:
+            return self._store.put_from(keys, addresses, sizes, pin=pin)
+        except StoreError as exc:
+            count_failure(self._metrics, "put", exc.code)
+            return [exc.code] * len(keys)
 
     def get(self, keys: Sequence[str], chunks: Sequence[Chunk]) -> list[Loaded]:
         """One batch get straight into the blocks' slices (a chosen value's trailer after them), then each chosen
         value read checked against its trailer there."""
         sums = self._sums
-        members = [i for i, c in enumerate(sums.chosen(keys)) if c]
+        members = sums.members(keys)
+        addresses, sizes = self._buffers(chunks)
+        if not members:
+            return self._get(keys, addresses, sizes)
         with sums.trailers(len(members)) as trailers:
-            addresses, sizes = self._buffers(chunks, members, trailers)
+            _trail(members, trailers, addresses, sizes)
             trailers.clear(len(members))
-            try:
-                codes: list[Loaded] = list(self._store.get_into(keys, addresses, sizes))
-            except StoreError as exc:
-                count_failure(self._metrics, "get", exc.code)
-                return [exc.code] * len(keys)
+            codes = self._get(keys, addresses, sizes)
             checked = sums.check(
                 [keys[i] for i in members],
                 [codes[i] for i in members],
@@ -97,10 +116,15 @@ class HostMover:
             codes[i] = code
         return codes
 
-    def _buffers(
-        self, chunks: Sequence[Chunk], members: Sequence[int], trailers: Trailers
-    ) -> tuple[list[list[int]], list[list[int]]]:
-        """Each value's buffers: its slices, then (the members, in order) its trailer."""
+    def _get(self, keys: Sequence[str], addresses: list[list[int]], sizes: list[list[int]]) -> list[Loaded]:
+        try:
+            return list(self._store.get_into(keys, addresses, sizes))
+        except StoreError as exc:
+            count_failure(self._metrics, "get", exc.code)
+            return [exc.code] * len(keys)
+
+    def _buffers(self, chunks: Sequence[Chunk]) -> tuple[list[list[int]], list[list[int]]]:
+        """Each value's buffers: its slices."""
         buffers = self.memory.buffers
         addresses: list[list[int]] = []
         sizes: list[list[int]] = []
@@ -108,9 +132,6 @@ class HostMover:
             a, s = buffers(c.group, c.block_id, c.part)
             addresses.append(a)
             sizes.append(s)
-        for k, i in enumerate(members):
-            addresses[i].append(trailers.address(k))
-            sizes[i].append(TRAILER_BYTES)
         return addresses, sizes
 
     def _value_bytes(self, chunks: Sequence[Chunk]) -> list[int]:
@@ -134,3 +155,10 @@ class HostMover:
                 log.warning("could not unregister buffer %#x from the store: %s", address, exc)
         self._registered = []
         self._views = {}
+
+
+def _trail(members: Sequence[int], trailers: Trailers, addresses: list[list[int]], sizes: list[list[int]]) -> None:
+    """The members' trailers (in order) after their values' slices, as one more buffer each."""
+    for k, i in enumerate(members):
+        addresses[i].append(trailers.address(k))
+        sizes[i].append(TRAILER_BYTES)

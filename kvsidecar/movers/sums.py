@@ -129,6 +129,13 @@ class Sums:
             return [False] * len(keys)
         return [chosen(key, every) for key in keys]
 
+    def members(self, keys: Sequence[str]) -> list[int]:
+        """The indices of the keys whose values carry a trailer, in order (none at once when checksums are off)."""
+        every = self.checksum_every
+        if every == 0:
+            return []
+        return [i for i, key in enumerate(keys) if chosen(key, every)]
+
     def seal(self, keys: Sequence[str], value: Callable[[int], Parts], sizes: Sequence[int]) -> list[bytes]:
         """The trailer of every value i of keys, its sum over value(i)."""
         totals = self._each(lambda i: digest(keys[i], value(i)), list(range(len(keys))), sizes)

@@ -19,8 +19,11 @@ from kvsidecar.datapath.retries import RetryPolicy
 from kvsidecar.datapath.transfers import DataPath
 from kvsidecar.errors import BadRequest
 from kvsidecar.metrics import Metrics
+from kvsidecar.movers.factory import Movers
+from kvsidecar.movers.trailer import ChecksumSettings
 from kvsidecar.reasons import Reason
 from kvsidecar.store import StoreCode
+from kvsidecar.store.base import StoreUnavailable
 from kvsidecar.store.memory_store import MemoryStore
 from kvsidecar.tenancy.budget import WriteBudget
 from kvsidecar.values import Failure, LoadArgs, LookupArgs, SaveArgs, SaveOutcome
@@ -143,6 +146,33 @@ def test_blocks_failing_in_the_store_are_named_with_its_code_and_the_others_go_t
     assert load(dp, reader) == [Failure(0, 7, Reason.RPC_FAILED), Failure(0, 4, Reason.RPC_FAILED)]
     assert value(reader, 2) == value(writer, 3) and value(reader, 0) == value(writer, 5)
     assert value(reader, 7) == value(rank(store), 7)  # a failed read leaves the block as it was
+
+
+@pytest.mark.parametrize("checksums", ["off", "all"])
+def test_a_store_call_that_fails_whole_fails_each_of_its_blocks_and_is_counted_once(checksums):
+    store = MemoryStore()
+    registry = CollectorRegistry()
+    movers = Movers(store, Metrics(registry), checksums=ChecksumSettings(checksums))
+    dp = path(store)
+    writer = Rank(MODEL, MODEL.layout(1, checksum_every=movers.checksum_every), store, movers)
+    writer.fill(HASHES, WRITER_IDS)
+
+    def down(op: str, key: str) -> None:
+        if op != "exists":
+            raise StoreUnavailable("master unreachable")
+
+    store.set_fault(down)
+    out = save(dp, writer)
+    assert out.written == 0 and out.failures == tuple(Failure(0, b, Reason.UNAVAILABLE) for b in WRITER_IDS)
+    store.set_fault(None)
+    assert save(dp, writer).written == 4
+    reader = Rank(MODEL, MODEL.layout(1, checksum_every=movers.checksum_every), store, movers)
+    store.set_fault(down)
+    assert load(dp, reader) == [Failure(0, b, Reason.UNAVAILABLE) for b in READER_IDS]
+    assert all(value(reader, b) == value(rank(store), b) for b in range(8))  # nothing read, nothing written
+    for operation in ("put", "get"):
+        labels = {"operation": operation, "reason": StoreCode.UNAVAILABLE.value}
+        assert registry.get_sample_value("kvsidecar_store_errors_total", labels) == 1
 
 
 def test_a_load_tries_again_what_the_master_did_not_answer_in_time_within_its_deadline(caplog):
